@@ -1,0 +1,90 @@
+"""What the chat layer needs from the engine and the chat template, as Protocols.
+
+`kvchat/chat/` must not import torch or the engine's internals: it talks to the
+engine only through `EnginePort` and renders turns only through `RendererPort`.
+Tests substitute fakes (`tests/fake_engine.py`) for both, and the CLI wires the
+real `Engine` and `TurnRenderer` in through a `ChatBackend`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvchat.engine.events import EngineEvent
+from kvchat.engine.request import GenerationRequest
+from kvchat.engine.stats import EngineStats
+
+
+@dataclass(frozen=True)
+class Residency:
+    """How many tokens of a sequence are on the device, only on the host, or nowhere.
+
+    Defined here rather than imported from the engine so that importing the chat
+    layer never pulls torch in; the engine may return its own type with the same
+    fields (the chat layer only reads them).
+    """
+
+    device: int = 0
+    host: int = 0
+    nowhere: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.nowhere
+
+
+Message = Mapping[str, str]  # {"role": ..., "content": ...}
+
+
+class EnginePort(Protocol):
+    """The engine as the chat layer sees it; every method is safe from any thread."""
+
+    def submit(self, request: GenerationRequest, on_event: Callable[[EngineEvent], None]) -> int:
+        """Queue a request; `on_event` is called from the engine thread. Returns its id."""
+        ...
+
+    def cancel(self, request_id: int) -> None: ...
+
+    def prefetch(self, token_ids: Sequence[int]) -> None: ...
+
+    def residency(self, token_ids: Sequence[int]) -> Residency: ...
+
+    def stats(self) -> EngineStats: ...
+
+    @property
+    def model_fingerprint(self) -> str: ...
+
+    @property
+    def context_length(self) -> int: ...
+
+
+class RendererPort(Protocol):
+    """The chat template, rendering whole conversations or only what a turn adds."""
+
+    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+        """The whole conversation plus the generation prompt."""
+        ...
+
+    def continuation_ids(
+        self,
+        history: Sequence[Message],
+        new_messages: Sequence[Message],
+        *,
+        reply_ended_with_stop: bool,
+    ) -> list[int] | None:
+        """Ids to append to stored ids (prompt + generated) for `new_messages`.
+
+        None when the template rewrites earlier turns: the caller renders it all.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class ChatBackend:
+    """What the CLI hands to the chat layer and the headless mode: an engine and its template."""
+
+    engine: EnginePort
+    renderer: RendererPort
+    stop_token_ids: frozenset[int] = frozenset()  # the tokenizer's end-of-turn ids

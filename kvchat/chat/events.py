@@ -1,0 +1,96 @@
+"""What `SessionService` tells its subscribers (frozen: they cross threads).
+
+Callbacks run on the service's worker thread (or the caller's thread for
+commands); a UI marshals them to its own loop (`call_from_thread`,
+`post_message`) and must not do slow work in the callback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvchat.chat.session import TurnStats
+
+
+@dataclass(frozen=True)
+class SessionCreated:
+    session_id: str
+
+
+@dataclass(frozen=True)
+class SessionRenamed:
+    session_id: str
+    title: str
+
+
+@dataclass(frozen=True)
+class SessionArchived:
+    session_id: str
+    archived: bool  # False: brought back
+
+
+@dataclass(frozen=True)
+class SessionDeleted:
+    session_id: str
+    deleted: bool  # False: the delete was undone
+
+
+@dataclass(frozen=True)
+class SessionChanged:
+    """Messages, settings, state or unread flag changed: re-read the session's view."""
+
+    session_id: str
+
+
+@dataclass(frozen=True)
+class SessionNotice:
+    """Something the user should be told about a session (not an error)."""
+
+    session_id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class ReplyStarted:
+    session_id: str
+    message_id: str  # the assistant message being written
+    turn: int  # 1-based: the number of user messages in the session so far
+
+
+@dataclass(frozen=True)
+class ReplyDelta:
+    session_id: str
+    message_id: str
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ReplyFinished:
+    session_id: str
+    message_id: str
+    turn: int
+    text: str
+    stats: TurnStats
+
+
+@dataclass(frozen=True)
+class SessionFailed:
+    """A queued turn could not start (its prompt did not fit, the engine refused it)."""
+
+    session_id: str
+    message: str
+
+
+ChatEvent = (
+    SessionCreated
+    | SessionRenamed
+    | SessionArchived
+    | SessionDeleted
+    | SessionChanged
+    | SessionNotice
+    | ReplyStarted
+    | ReplyDelta
+    | ReplyFinished
+    | SessionFailed
+)

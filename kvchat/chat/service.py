@@ -1,0 +1,818 @@
+"""`SessionService`: owns the sessions, talks to the engine, persists, publishes events.
+
+The one code path for conversations: the TUI and the headless mode both drive
+this class. Engine callbacks arrive on the engine thread and are only queued
+there; one worker thread applies them, writes SQLite (write-behind, so neither
+the engine thread nor the UI thread waits on the disk) and calls subscribers.
+Commands (`say`, `rename`, ...) may come from any thread; a lock guards the
+sessions and subscribers are always called outside it.
+
+Token ids are the heart of it (see `session.py`): the next prompt is the stored
+ids plus the renderer's continuation, never a re-render of old turns, unless
+the model changed, an edit cut the ids at its point, or the context overflowed,
+in which case the oldest turns after the system prompt are dropped in one step
+of at least a third of the context so the prefix changes rarely.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from array import array
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+
+from kvchat.chat.engine_port import EnginePort, RendererPort, Residency
+from kvchat.chat.events import (
+    ChatEvent,
+    ReplyDelta,
+    ReplyFinished,
+    ReplyStarted,
+    SessionArchived,
+    SessionChanged,
+    SessionCreated,
+    SessionDeleted,
+    SessionFailed,
+    SessionNotice,
+    SessionRenamed,
+)
+from kvchat.chat.session import (
+    Message,
+    MessageState,
+    MessageView,
+    Session,
+    SessionView,
+    TurnStats,
+    sampling_from_json,
+    sampling_to_json,
+    session_markdown,
+)
+from kvchat.chat.store import MessageRecord, SessionRecord, Store
+from kvchat.engine.events import (
+    EngineEvent,
+    PrefillProgress,
+    RequestFinished,
+    RequestStarted,
+    TokenGenerated,
+)
+from kvchat.engine.request import FinishReason, GenerationRequest, RequestState, SamplingParams
+from kvchat.errors import KvchatError, PromptTooLongError
+
+log = logging.getLogger("kvchat.chat")
+
+IDLE = "idle"
+MODEL_CHANGED_NOTICE = (
+    "This session was computed with another model: its history will be computed again "
+    "at the next turn."
+)
+
+Subscriber = Callable[[ChatEvent], None]
+
+
+@dataclass(frozen=True)
+class _Say:
+    text: str
+    sampling: SamplingParams | None = None
+    max_tokens: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class _Plan:
+    prompt: list[int]
+    new_offset: int | None
+    full_render: bool
+    dropped: tuple[Message, ...] = ()
+
+
+@dataclass
+class _Runtime:
+    """Per-session state that is not persisted: the live request and UI flags."""
+
+    request_id: int | None = None
+    state: str = IDLE
+    message: Message | None = None  # the assistant message being written
+    turn: int = 0
+    generated: list[int] = field(default_factory=list)
+    queue: deque[_Say] = field(default_factory=deque)
+    unread: bool = False
+    notice: str | None = None
+    last_stats: TurnStats | None = None
+    unsaved_tokens: int = 0
+    last_save: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.state != IDLE or bool(self.queue)
+
+
+class SessionService:
+    """Sessions over one engine and one store; safe to call from any thread."""
+
+    def __init__(
+        self,
+        engine: EnginePort,
+        renderer: RendererPort,
+        store: Store,
+        *,
+        stop_token_ids: Iterable[int] = (),
+        default_sampling: SamplingParams | None = None,
+        default_max_tokens: int = 512,
+        save_interval_s: float = 0.25,
+        save_every_tokens: int = 16,
+    ) -> None:
+        self._engine = engine
+        self._renderer = renderer
+        self._store = store
+        self._stop_ids = frozenset(stop_token_ids)
+        self._default_sampling = default_sampling or SamplingParams()
+        self._default_max_tokens = default_max_tokens
+        self._save_interval_s = save_interval_s
+        self._save_every_tokens = save_every_tokens
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
+        self._subscribers: list[Subscriber] = []
+        self._sessions: dict[str, Session] = {}
+        self._runtime: dict[str, _Runtime] = {}
+        self._focused: str | None = None
+        self._tasks: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._load()
+        self._worker = threading.Thread(target=self._work, name="kvchat-sessions", daemon=True)
+        self._worker.start()
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def _load(self) -> None:
+        self._store.purge_deleted(before=time.time())  # undo lasts until the next start
+        fingerprint = self._engine.model_fingerprint
+        for record, message_records in self._store.load():
+            session = Session(
+                id=record.id,
+                title=record.title,
+                created=record.created,
+                updated=record.updated,
+                model_fingerprint=record.model_fingerprint,
+                sampling=sampling_from_json(record.sampling_json),
+                max_tokens=record.max_tokens,
+                archived=record.archived,
+                deleted_at=record.deleted_at,
+                ids=record.ids(),
+                ids_stale=record.ids_stale,
+            )
+            for m in message_records:
+                session.messages.append(
+                    Message(
+                        id=m.id,
+                        role=m.role,
+                        content=m.content,
+                        state=MessageState(m.state),
+                        offset=m.offset,
+                        ended_with_stop=m.ended_with_stop,
+                        in_context=m.in_context,
+                        stats=TurnStats.from_json(json.loads(m.stats_json))
+                        if m.stats_json
+                        else None,
+                        created=m.created,
+                    )
+                )
+            runtime = _Runtime()
+            if session.messages and session.model_fingerprint != fingerprint:
+                session.ids_stale = True
+                runtime.notice = MODEL_CHANGED_NOTICE
+            for m in reversed(session.messages):
+                if m.stats is not None:
+                    runtime.last_stats = m.stats
+                    break
+            self._sessions[session.id] = session
+            self._runtime[session.id] = runtime
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Cancel live replies, write what is pending, stop the worker, close the store."""
+        with self._lock:
+            live = [r.request_id for r in self._runtime.values() if r.request_id is not None]
+            for rt in self._runtime.values():
+                rt.queue.clear()
+        for request_id in live:
+            with contextlib.suppress(Exception):
+                self._engine.cancel(request_id)
+        self.flush(timeout)
+        self._tasks.put(None)
+        self._worker.join(timeout)
+        self._store.close()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every event and write queued so far has been handled."""
+        done = threading.Event()
+        self._tasks.put(done.set)
+        return done.wait(timeout)
+
+    def _work(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            try:
+                task()
+            except Exception:  # a bug: log it, keep serving the other sessions
+                log.exception("session worker task failed")
+
+    # ---------------------------------------------------------------- events
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Call `callback` for every event (from any thread); returns the unsubscribe function."""
+        with self._lock:
+            self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock, contextlib.suppress(ValueError):
+                self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    def _publish(self, events: Iterable[ChatEvent]) -> None:
+        with self._lock:
+            subscribers = list(self._subscribers)
+        for event in events:
+            for callback in subscribers:
+                try:
+                    callback(event)
+                except Exception:
+                    log.exception("a session event subscriber failed")
+
+    # ----------------------------------------------------------------- queries
+
+    @property
+    def engine(self) -> EnginePort:
+        return self._engine
+
+    def list_sessions(self, *, include_archived: bool = False) -> list[SessionView]:
+        """Live sessions, most recently updated first (soft-deleted ones never)."""
+        with self._lock:
+            views = [
+                self._view(s)
+                for s in self._sessions.values()
+                if s.deleted_at is None and (include_archived or not s.archived)
+            ]
+        return sorted(views, key=lambda v: v.updated, reverse=True)
+
+    def session(self, session_id: str) -> SessionView:
+        with self._lock:
+            return self._view(self._get(session_id))
+
+    def messages(self, session_id: str) -> list[MessageView]:
+        with self._lock:
+            session = self._get(session_id)
+            return [
+                MessageView(m.id, i, m.role, m.content, m.state, m.in_context, m.stats)
+                for i, m in enumerate(session.messages)
+            ]
+
+    def token_ids(self, session_id: str) -> tuple[int, ...]:
+        """The stored ids of the session's rendered history (the prompt while replying)."""
+        with self._lock:
+            return tuple(self._get(session_id).ids)
+
+    def residency(self, session_id: str) -> Residency:
+        """How much of the session's history is on the device, the host, or nowhere."""
+        with self._lock:
+            session = self._get(session_id)
+            ids = tuple(session.ids)
+            stale = session.ids_stale
+        if stale or not ids:
+            return Residency(0, 0, len(ids))
+        return self._engine.residency(ids)
+
+    def export_markdown(self, session_id: str) -> str:
+        with self._lock:
+            return session_markdown(self._get(session_id))
+
+    def wait_idle(self, session_id: str | None = None, timeout: float | None = None) -> bool:
+        """Block until that session (None: every session) has no reply running or queued."""
+
+        def idle() -> bool:
+            if session_id is not None:
+                return not self._runtime[session_id].busy
+            return not any(r.busy for r in self._runtime.values())
+
+        with self._idle:
+            if session_id is not None:
+                self._get(session_id)
+            return self._idle.wait_for(idle, timeout)
+
+    def _get(self, session_id: str) -> Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise KvchatError(f"no session {session_id!r}") from None
+
+    def _view(self, s: Session) -> SessionView:
+        rt = self._runtime[s.id]
+        return SessionView(
+            id=s.id,
+            title=s.title,
+            state=rt.state,
+            archived=s.archived,
+            unread=rt.unread,
+            queued_says=len(rt.queue),
+            message_count=len(s.messages),
+            context_tokens=None if s.ids_stale else len(s.ids) + len(rt.generated),
+            context_length=self._engine.context_length,
+            last_turn=rt.last_stats,
+            system_prompt=s.system_prompt,
+            sampling=s.sampling,
+            max_tokens=s.max_tokens or self._default_max_tokens,
+            model_fingerprint=s.model_fingerprint,
+            notice=rt.notice,
+            created=s.created,
+            updated=s.updated,
+        )
+
+    # ------------------------------------------------------------ persistence
+
+    def _persist(
+        self,
+        session: Session,
+        messages: Iterable[Message] = (),
+        *,
+        truncate_from: int | None = None,
+        extra_ids: Iterable[int] = (),
+    ) -> None:
+        """Snapshot now (under the lock), write later on the worker thread."""
+        ids = array("I", session.ids)
+        ids.extend(extra_ids)
+        record = SessionRecord(
+            id=session.id,
+            title=session.title,
+            created=session.created,
+            updated=session.updated,
+            archived=session.archived,
+            deleted_at=session.deleted_at,
+            model_fingerprint=session.model_fingerprint,
+            token_ids=ids.tobytes(),
+            ids_stale=session.ids_stale,
+            sampling_json=sampling_to_json(session.sampling),
+            max_tokens=session.max_tokens,
+        )
+        seq = {m.id: i for i, m in enumerate(session.messages)}
+        pid = os.getpid()
+        records = [
+            MessageRecord(
+                id=m.id,
+                seq=seq[m.id],
+                role=m.role,
+                content=m.content,
+                state=str(m.state),
+                stats_json=json.dumps(m.stats.to_json()) if m.stats else None,
+                offset=m.offset,
+                ended_with_stop=m.ended_with_stop,
+                in_context=m.in_context,
+                owner_pid=pid if m.state == MessageState.STREAMING else None,
+                created=m.created,
+            )
+            for m in messages
+        ]
+        store = self._store
+        self._tasks.put(lambda: store.save(record, records, truncate_from=truncate_from))
+
+    # --------------------------------------------------------------- commands
+
+    def create_session(
+        self,
+        title: str = "New chat",
+        *,
+        system: str | None = None,
+        sampling: SamplingParams | None = None,
+        max_tokens: int | None = None,
+    ) -> str:
+        now = time.time()
+        session = Session(
+            id=uuid.uuid4().hex,
+            title=title,
+            created=now,
+            updated=now,
+            model_fingerprint=self._engine.model_fingerprint,
+            sampling=sampling or self._default_sampling,
+            max_tokens=max_tokens,
+        )
+        if system:
+            session.messages.append(_message("system", system))
+        with self._lock:
+            self._sessions[session.id] = session
+            self._runtime[session.id] = _Runtime()
+            self._persist(session, session.messages)
+        self._publish([SessionCreated(session.id)])
+        return session.id
+
+    def rename(self, session_id: str, title: str) -> None:
+        with self._lock:
+            session = self._get(session_id)
+            session.title = title
+            self._touch_and_persist(session)
+        self._publish([SessionRenamed(session_id, title)])
+
+    def set_archived(self, session_id: str, archived: bool = True) -> None:
+        with self._lock:
+            session = self._get(session_id)
+            session.archived = archived
+            self._touch_and_persist(session)
+        self._publish([SessionArchived(session_id, archived)])
+
+    def delete(self, session_id: str) -> None:
+        """Soft delete: hidden now, kept until `undo_delete` or the next start."""
+        with self._lock:
+            session = self._get(session_id)
+            rt = self._runtime[session_id]
+            rt.queue.clear()
+            request_id = rt.request_id
+            session.deleted_at = time.time()
+            self._persist(session)
+        if request_id is not None:
+            self._engine.cancel(request_id)
+        self._publish([SessionDeleted(session_id, True)])
+
+    def undo_delete(self, session_id: str) -> None:
+        with self._lock:
+            session = self._get(session_id)
+            session.deleted_at = None
+            self._persist(session)
+        self._publish([SessionDeleted(session_id, False)])
+
+    def set_sampling(
+        self, session_id: str, sampling: SamplingParams, max_tokens: int | None = None
+    ) -> None:
+        """The session's own sampling parameters (and max_tokens) for its next turns."""
+        with self._lock:
+            session = self._get(session_id)
+            session.sampling = sampling
+            session.max_tokens = max_tokens
+            self._touch_and_persist(session)
+        self._publish([SessionChanged(session_id)])
+
+    def set_system_prompt(self, session_id: str, text: str | None) -> None:
+        """Change (or remove, with None/"") the system prompt: the ids are cut at 0."""
+        with self._lock:
+            session = self._get(session_id)
+            self._require_idle(session_id, "change the system prompt")
+            if session.system_prompt is not None:
+                if text:
+                    session.messages[0].content = text
+                else:
+                    del session.messages[0]
+            elif text:
+                session.messages.insert(0, _message("system", text))
+            self._cut_ids(session, 0)
+            for m in session.messages:
+                m.offset = None
+            self._touch_and_persist(session, session.messages, truncate_from=0)
+        self._publish([SessionChanged(session_id)])
+
+    def focus(self, session_id: str) -> None:
+        """The user looks at this session now: clear its unread flag, prefetch its pages."""
+        with self._lock:
+            session = self._get(session_id)
+            self._focused = session_id
+            self._runtime[session_id].unread = False
+            ids = () if session.ids_stale else tuple(session.ids)
+        if ids:
+            self._engine.prefetch(ids)
+        self._publish([SessionChanged(session_id)])
+
+    def say(
+        self,
+        session_id: str,
+        text: str,
+        *,
+        sampling: SamplingParams | None = None,
+        max_tokens: int | None = None,
+        ignore_eos: bool = False,
+    ) -> None:
+        """Append a user message and start its reply; queued if a reply is running.
+
+        Raises `KvchatError` (e.g. `PromptTooLongError`) when it starts at once and
+        cannot; a queued say that cannot start publishes `SessionFailed` instead.
+        """
+        say = _Say(text, sampling, max_tokens, ignore_eos)
+        with self._lock:
+            rt = self._runtime[self._get(session_id).id]
+            if rt.busy:
+                rt.queue.append(say)
+                events: list[ChatEvent] = [SessionChanged(session_id)]
+            else:
+                events = self._start_say(session_id, say)
+        self._publish(events)
+
+    def stop(self, session_id: str) -> None:
+        """Cancel the running reply (queued says then start, in order)."""
+        with self._lock:
+            request_id = self._runtime[self._get(session_id).id].request_id
+        if request_id is not None:
+            self._engine.cancel(request_id)
+
+    def regenerate(self, session_id: str) -> None:
+        """Replace the last reply: the same prompt ids again (a full cache hit)."""
+        with self._lock:
+            session = self._get(session_id)
+            self._require_idle(session_id, "regenerate")
+            k = len(session.messages) - 1
+            if k < 0 or session.messages[k].role != "assistant":
+                raise KvchatError("there is no reply to regenerate")
+            if session.messages[k - 1].role != "user":
+                raise KvchatError("the last reply does not follow a user message")
+            cut_ok = self._cut_ids(session, k)
+            del session.messages[k:]
+            if not cut_ok:
+                session.ids = array(
+                    "I",
+                    self._renderer.prompt_ids([m.as_chat() for m in session.context_messages()]),
+                )
+                session.ids_stale = False
+                _reset_offsets(session.context_messages())
+            self._touch_and_persist(session, session.messages, truncate_from=0)
+            events = self._start_reply(session, _Say(""))
+        self._publish(events)
+
+    def edit_last_user_message(self, session_id: str, text: str) -> None:
+        """Edit-and-resend: cut the ids where the last user message began, say `text`."""
+        with self._lock:
+            session = self._get(session_id)
+            self._require_idle(session_id, "edit the last message")
+            users = [i for i, m in enumerate(session.messages) if m.role == "user"]
+            if not users:
+                raise KvchatError("there is no message of yours to edit")
+            k = users[-1]
+            saved = (array("I", session.ids), session.ids_stale, list(session.messages))
+            self._cut_ids(session, k)
+            del session.messages[k:]
+            try:
+                events = self._start_say(session_id, _Say(text), truncate_from=k)
+            except BaseException:
+                session.ids, session.ids_stale, session.messages = saved
+                raise
+        self._publish(events)
+
+    def fork(self, session_id: str, at_message: int, title: str | None = None) -> str:
+        """A new session with the messages before `at_message` (a user message, or the end).
+
+        It copies the ids up to that point, so its first turn shares the source's
+        cached pages.
+        """
+        with self._lock:
+            source = self._get(session_id)
+            n = len(source.messages)
+            if not 0 <= at_message <= n:
+                raise KvchatError(f"cannot fork at message {at_message}: it has {n} messages")
+            if at_message < n and source.messages[at_message].role != "user":
+                raise KvchatError("fork at one of your messages (or at the end)")
+            if at_message == n:
+                self._require_idle(session_id, "fork at the end")
+            now = time.time()
+            fork = Session(
+                id=uuid.uuid4().hex,
+                title=title or f"{source.title} (fork)",
+                created=now,
+                updated=now,
+                model_fingerprint=source.model_fingerprint,
+                sampling=source.sampling,
+                max_tokens=source.max_tokens,
+                messages=[replace(m, id=uuid.uuid4().hex) for m in source.messages[:at_message]],
+                ids=array("I", source.ids),
+                ids_stale=source.ids_stale,
+            )
+            if at_message < n:
+                self._cut_ids(fork, at_message, source.messages[at_message])
+            self._sessions[fork.id] = fork
+            self._runtime[fork.id] = _Runtime(last_stats=self._runtime[session_id].last_stats)
+            self._persist(fork, fork.messages)
+        self._publish([SessionCreated(fork.id)])
+        return fork.id
+
+    # --------------------------------------------------------------- internals
+
+    def _require_idle(self, session_id: str, what: str) -> None:
+        if self._runtime[session_id].busy:
+            raise KvchatError(f"cannot {what} while the session is replying; stop it first")
+
+    def _touch_and_persist(self, session: Session, messages: Iterable[Message] = (), **kw) -> None:
+        session.updated = time.time()
+        self._persist(session, messages, **kw)
+
+    def _cut_ids(self, session: Session, k: int, at: Message | None = None) -> bool:
+        """Keep the ids before message k's rendering; False when its offset is unknown."""
+        message = at or (session.messages[k] if k < len(session.messages) else None)
+        if (
+            message is not None
+            and message.offset is not None
+            and message.in_context
+            and not session.ids_stale
+        ):
+            del session.ids[message.offset :]
+            return True
+        session.ids = array("I")
+        session.ids_stale = True
+        return False
+
+    def _plan(self, session: Session, new: Message, max_tokens: int) -> _Plan:
+        """The prompt for `new`: stored ids + continuation, or a render, fitted to the context."""
+        context = session.context_messages()
+        ctx_len = self._engine.context_length
+        reserve = min(max_tokens, ctx_len // 4)  # room to answer; a huge max_tokens stops at ctx
+        plan: _Plan | None = None
+        if (
+            not session.ids_stale
+            and len(session.ids) > 0
+            and context
+            and context[-1].role == "assistant"
+        ):
+            cont = self._renderer.continuation_ids(
+                [m.as_chat() for m in context],
+                [new.as_chat()],
+                reply_ended_with_stop=context[-1].ended_with_stop,
+            )
+            if cont is not None:
+                plan = _Plan(list(session.ids) + list(cont), len(session.ids), False)
+        if plan is None:
+            prompt = self._renderer.prompt_ids([m.as_chat() for m in [*context, new]])
+            plan = _Plan(prompt, 0 if not context else None, True)
+        if len(plan.prompt) + reserve <= ctx_len:
+            return plan
+        return self._drop_oldest_turns(context, new, len(plan.prompt), reserve, ctx_len)
+
+    def _drop_oldest_turns(
+        self, context: list[Message], new: Message, old_len: int, reserve: int, ctx_len: int
+    ) -> _Plan:
+        """Drop whole turns after the system prompt, at least a third of the context at once."""
+        head = context[:1] if context and context[0].role == "system" else []
+        body = context[len(head) :]
+        # a turn starts at a user message; cut candidates are the next turns' starts, then all
+        cuts = [i for i, m in enumerate(body) if m.role == "user" and i > 0] + [len(body)]
+        for cut in cuts:
+            kept = [*head, *body[cut:], new]
+            prompt = self._renderer.prompt_ids([m.as_chat() for m in kept])
+            fits = len(prompt) + reserve <= ctx_len
+            if fits and (old_len - len(prompt) >= ctx_len // 3 or cut == len(body)):
+                return _Plan(prompt, 0 if len(kept) == 1 else None, True, tuple(body[:cut]))
+        raise PromptTooLongError(
+            f"this message does not fit in the model's context of {ctx_len} tokens "
+            f"(with {reserve} kept for the reply); shorten it or lower max_tokens"
+        )
+
+    def _start_say(self, session_id: str, say: _Say, truncate_from: int | None = None) -> list:
+        """Append the user message and start its reply (lock held). Raises KvchatError."""
+        session = self._sessions[session_id]
+        user = _message("user", say.text)
+        max_tokens = say.max_tokens or session.max_tokens or self._default_max_tokens
+        plan = self._plan(session, user, max_tokens)
+        for m in plan.dropped:
+            m.in_context = False
+            m.offset = None
+        if plan.full_render:
+            _reset_offsets(session.context_messages())
+        user.offset = plan.new_offset
+        session.messages.append(user)
+        session.ids = array("I", plan.prompt)
+        session.ids_stale = False
+        changed = session.messages if (plan.full_render or truncate_from is not None) else [user]
+        session.updated = time.time()
+        self._persist(session, changed, truncate_from=0 if truncate_from is not None else None)
+        return self._start_reply(session, say)
+
+    def _start_reply(self, session: Session, say: _Say) -> list:
+        """Submit session.ids as the prompt; the assistant message streams into the store."""
+        rt = self._runtime[session.id]
+        assistant = _message("assistant", "", state=MessageState.STREAMING)
+        assistant.offset = len(session.ids)
+        session.messages.append(assistant)
+        session.model_fingerprint = self._engine.model_fingerprint
+        rt.message, rt.generated, rt.unsaved_tokens = assistant, [], 0
+        rt.turn = session.turn_count()
+        rt.state = str(RequestState.QUEUED)
+        rt.last_save = time.monotonic()
+        rt.notice = None
+        self._persist(session, [assistant])
+        events: list[ChatEvent] = [ReplyStarted(session.id, assistant.id, rt.turn)]
+        request = GenerationRequest(
+            prompt_ids=tuple(session.ids),
+            sampling=say.sampling or session.sampling,
+            max_tokens=say.max_tokens or session.max_tokens or self._default_max_tokens,
+            stop_token_ids=self._stop_ids,
+            ignore_eos=say.ignore_eos,
+        )
+        sid, mid = session.id, assistant.id
+
+        def on_event(event: EngineEvent) -> None:  # engine thread: hand over only
+            self._tasks.put(lambda: self._on_engine_event(sid, mid, event))
+
+        try:
+            rt.request_id = self._engine.submit(request, on_event)
+        except Exception as exc:  # the engine refused or failed: this reply is an error
+            log.exception("engine submit failed")
+            finished = self._finish(session, rt, TurnStats.failed(str(exc)), (), "")
+            events.append(finished)
+        return events
+
+    def _on_engine_event(self, session_id: str, message_id: str, event: EngineEvent) -> None:
+        """Worker thread: apply one engine event to its session."""
+        events: list[ChatEvent] = []
+        with self._lock:
+            session = self._sessions.get(session_id)
+            rt = self._runtime.get(session_id)
+            if session is None or rt is None or rt.message is None or rt.message.id != message_id:
+                return  # a reply we no longer track
+            if isinstance(event, RequestStarted | PrefillProgress):
+                if rt.state != str(RequestState.PREFILLING):
+                    rt.state = str(RequestState.PREFILLING)
+                    events.append(SessionChanged(session_id))
+            elif isinstance(event, TokenGenerated):
+                if rt.state != str(RequestState.DECODING):
+                    rt.state = str(RequestState.DECODING)
+                    events.append(SessionChanged(session_id))
+                rt.message.content += event.text
+                rt.generated.extend(event.token_ids)
+                rt.unsaved_tokens += len(event.token_ids)
+                now = time.monotonic()
+                if (
+                    rt.unsaved_tokens >= self._save_every_tokens
+                    or now - rt.last_save >= self._save_interval_s
+                ):
+                    self._persist(session, [rt.message], extra_ids=rt.generated)
+                    rt.unsaved_tokens, rt.last_save = 0, now
+                events.append(ReplyDelta(session_id, message_id, event.text, event.token_ids))
+            elif isinstance(event, RequestFinished):
+                text = event.text or rt.message.content
+                events.append(
+                    self._finish(
+                        session, rt, TurnStats.from_finished(event), event.generated_ids, text
+                    )
+                )
+                events.extend(self._start_next_queued(session_id))
+                self._idle.notify_all()
+        self._publish(events)
+
+    def _finish(
+        self,
+        session: Session,
+        rt: _Runtime,
+        stats: TurnStats,
+        generated_ids: tuple[int, ...],
+        text: str,
+    ) -> ReplyFinished:
+        message = rt.message
+        assert message is not None  # only called with a live reply
+        reason = stats.finish_reason
+        message.content = text
+        message.stats = stats
+        message.state = {
+            str(FinishReason.CANCELLED): MessageState.CANCELLED,
+            str(FinishReason.ERROR): MessageState.ERROR,
+        }.get(reason, MessageState.COMPLETE)
+        message.ended_with_stop = (
+            reason == str(FinishReason.STOP)
+            and bool(generated_ids)
+            and generated_ids[-1] in self._stop_ids
+        )
+        session.ids.extend(generated_ids)
+        session.updated = time.time()
+        rt.request_id, rt.message, rt.generated = None, None, []
+        rt.state = IDLE
+        rt.last_stats = stats
+        rt.unread = self._focused != session.id
+        self._persist(session, [message])
+        self._idle.notify_all()
+        return ReplyFinished(session.id, message.id, rt.turn, text, stats)
+
+    def _start_next_queued(self, session_id: str) -> list[ChatEvent]:
+        rt = self._runtime[session_id]
+        events: list[ChatEvent] = []
+        while rt.queue and rt.state == IDLE:
+            say = rt.queue.popleft()
+            try:
+                events.extend(self._start_say(session_id, say))
+            except KvchatError as exc:
+                events.append(SessionFailed(session_id, str(exc)))
+        events.append(SessionChanged(session_id))
+        return events
+
+    def notice(self, session_id: str, text: str) -> None:
+        """Tell subscribers something about a session (shown by the UI, kept in its view)."""
+        with self._lock:
+            self._runtime[self._get(session_id).id].notice = text
+        self._publish([SessionNotice(session_id, text)])
+
+
+def _message(role: str, content: str, state: MessageState = MessageState.COMPLETE) -> Message:
+    return Message(
+        id=uuid.uuid4().hex, role=role, content=content, state=state, created=time.time()
+    )
+
+
+def _reset_offsets(context: list[Message]) -> None:
+    """After a full render only the first message's offset (0) is known."""
+    for i, m in enumerate(context):
+        m.offset = 0 if i == 0 else None

@@ -1,0 +1,182 @@
+"""The user's settings file (TOML under the user config folder), typed.
+
+Keys are named as DESIGN.md's command-line conventions (`device_cache` for
+`--device-cache`), so one word means one thing on both. A bad file never
+crashes kvchat and is never overwritten: `load_settings` raises a
+`KvchatError` naming the key (and its line) or the TOML error's line, and the
+caller decides to warn and use the defaults. `save_setting` rewrites only the
+line of the key it changes, so the user's comments and layout survive.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from kvchat.errors import KvchatError
+from kvchat.paths import app_paths
+from kvchat.units import parse_size
+
+
+@dataclass(frozen=True)
+class Settings:
+    """None means "not set": the model, the hardware or the generation config decides."""
+
+    model: str | None = None  # a path or a model name
+    dtype: str | None = None  # "bfloat16" | "float32"
+    device_cache: int | None = None  # bytes
+    host_cache: int | None = None  # bytes
+    page_size: int = 256
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int = 512
+    theme: str | None = None
+    keys: MappingProxyType[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+
+_DTYPES = ("bfloat16", "float32")
+_SIZE_KEYS = ("device_cache", "host_cache")
+
+
+def _line_of(text: str, key: str, table: str | None = None) -> int | None:
+    """The 1-based line where `key =` is written (in `[table]` when given)."""
+    current: str | None = None
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        header = re.match(r"^\[\s*([^\]]+?)\s*\]", stripped)
+        if header:
+            current = header.group(1)
+            continue
+        if current == table and re.match(rf"^[\"']?{re.escape(key)}[\"']?\s*=", stripped):
+            return number
+    return None
+
+
+def _where(path: Path, text: str, key: str, table: str | None = None) -> str:
+    line = _line_of(text, key, table)
+    return f"{path}" + (f", line {line}" if line else "")
+
+
+def _check(path: Path, text: str, key: str, value: Any) -> Any:
+    """The typed value of one top-level key, or a KvchatError naming it."""
+    where = _where(path, text, key)
+
+    def bad(expected: str) -> KvchatError:
+        return KvchatError(f"{where}: '{key}' must be {expected}, not {value!r}")
+
+    if key in ("model", "theme"):
+        if not isinstance(value, str) or not value:
+            raise bad("a non-empty string")
+        return value
+    if key == "dtype":
+        if value not in _DTYPES:
+            raise bad(" or ".join(f'"{d}"' for d in _DTYPES))
+        return value
+    if key in _SIZE_KEYS:
+        if not isinstance(value, str | int) or isinstance(value, bool):
+            raise bad('a size with a unit, like "512MiB" or "4GiB"')
+        try:
+            return parse_size(value)
+        except KvchatError:
+            raise bad('a size with a unit, like "512MiB" or "4GiB"') from None
+    if key in ("page_size", "max_tokens"):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise bad("a positive integer")
+        return value
+    if key == "seed":
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise bad("an integer")
+        return value
+    if key in ("temperature", "top_p"):
+        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
+            raise bad("a number at least 0")
+        if key == "top_p" and not 0 < value <= 1:
+            raise bad("a number in (0, 1]")
+        return float(value)
+    raise KvchatError(f"{where}: unknown setting '{key}'")
+
+
+_KNOWN = tuple(f.name for f in fields(Settings))
+
+
+def parse_settings(text: str, path: Path) -> Settings:
+    """Settings from TOML text; KvchatError names the bad key or TOML line."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise KvchatError(f"{path}: not valid TOML: {exc}. Fix the file or move it away.") from None
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in _KNOWN:
+            raise KvchatError(
+                f"{_where(path, text, key)}: unknown setting '{key}' (known: {', '.join(_KNOWN)})"
+            )
+        if key == "keys":
+            if not isinstance(value, dict):
+                raise KvchatError(f"{_where(path, text, key)}: 'keys' must be a table [keys]")
+            for binding, keyname in value.items():
+                if not isinstance(keyname, str) or not keyname:
+                    raise KvchatError(
+                        f"{_where(path, text, binding, 'keys')}: key binding '{binding}' "
+                        f'must be a key name string, like "ctrl+n"'
+                    )
+            values["keys"] = MappingProxyType(dict(value))
+            continue
+        values[key] = _check(path, text, key, value)
+    return Settings(**values)
+
+
+def load_settings(path: Path | None = None) -> Settings:
+    """The settings file's values (defaults when it does not exist); KvchatError when bad."""
+    path = path or app_paths().settings_file
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return Settings()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KvchatError(f"cannot read the settings file {path}: {exc}") from None
+    return parse_settings(text, path)
+
+
+def _toml_value(value: str | int | float | bool) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def save_setting(key: str, value: str | int | float | bool, path: Path | None = None) -> None:
+    """Set one top-level key, keeping every other line (comments included) as it was.
+
+    Raises KvchatError for an unknown key or a bad value, and when the file is
+    not valid TOML (the user's file is never overwritten with a guess).
+    """
+    path = path or app_paths().settings_file
+    line = f"{key} = {_toml_value(value)}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        text = ""
+    parse_settings(text, path)  # refuse to edit a broken file
+    _check(path, line, key, value)
+    lines = text.splitlines()
+    number = _line_of(text, key)
+    if number is not None:
+        lines[number - 1] = line
+    else:  # before the first table, so it stays a top-level key
+        first_table = next((i for i, x in enumerate(lines) if re.match(r"^\s*\[", x)), len(lines))
+        lines.insert(first_table, line)
+    new_text = "\n".join(lines) + "\n"
+    parse_settings(new_text, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(new_text, encoding="utf-8")
+    os.replace(tmp, path)

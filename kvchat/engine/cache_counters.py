@@ -1,0 +1,64 @@
+"""The KV cache's counters and the immutable snapshot the page table hands out.
+
+The counters follow DESIGN.md's metric definitions exactly, so the engine, the UI,
+the headless output and the bench all read one meaning: `prompt_tokens` is split
+into tokens served from a tier (`cached_*`) and tokens computed
+(`prefilled_tokens`); recompute after preemption or requeue is counted apart in
+`recomputed_tokens` and never enters the hit rate. Counters only grow; rates come
+from the difference of two snapshots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """Pages (or host slots) of one tier; `active + cached + free == capacity`."""
+
+    capacity: int
+    active: int  # referenced by a live sequence (always 0 on the host tier)
+    cached: int  # unreferenced, holding content that a later request can match
+    free: int  # holding nothing
+
+
+@dataclass(frozen=True)
+class PageTableStats:
+    """A snapshot of the page table: page usage per tier, evictions, token counters."""
+
+    device: TierStats
+    host: TierStats
+    device_to_host: int  # device pages evicted to the host tier (copied, or already there)
+    host_dropped: int  # host slots dropped to make room
+    device_dropped: int  # device pages evicted with nowhere to go (partial, or no host room)
+    prompt_tokens: int  # tokens of admitted prompts, once per turn
+    cached_device: int  # prompt tokens served from device pages (shared, cached, tail copies)
+    cached_host: int  # prompt tokens served by copying pages back from the host tier
+    cached_disk: int  # prompt tokens served from the disk tier (not built yet: always 0)
+    prefilled_tokens: int  # prompt tokens that had to be computed
+    recomputed_tokens: int  # tokens computed again for preempted or requeued sequences
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served without compute, all tiers together."""
+        return self.cached_device + self.cached_host + self.cached_disk
+
+    @property
+    def hit_rate(self) -> float:
+        """Cumulative share of prompt tokens served from a cache tier (0.0 before any prompt)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class CacheCounters:
+    """The page table's own mutable counters (one instance per table, never global)."""
+
+    device_to_host: int = 0
+    device_dropped: int = 0
+    prompt_tokens: int = 0
+    cached_device: int = 0
+    cached_host: int = 0
+    cached_disk: int = 0
+    prefilled_tokens: int = 0
+    recomputed_tokens: int = 0

@@ -1,0 +1,60 @@
+"""The engine's knobs, with defaults chosen by measurement on a 2-core CPU (see README).
+
+Sizes of the two cache tiers default to a share of the memory that is free at start,
+so a user can read them (`kvchat` prints them) and override them with
+`--device-cache` / `--host-cache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvchat.errors import KvchatError
+
+DEFAULT_PAGE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = DEFAULT_PAGE_SIZE
+    device_cache_bytes: int | None = None  # None: derived from free memory
+    host_cache_bytes: int | None = None  # None: derived from free memory; 0 disables the tier
+    max_batch: int = 16  # sequences in one step
+    step_token_budget: int = 512  # tokens per step: decodes first, prefill chunks fill the rest
+    max_skips: int = 8  # how often a waiting request may be overtaken by later ones
+    max_rq_tokens: int = 2048  # a long generation requeues itself after this many tokens
+    kv_format: str = "native"  # part of the page-hash salt
+
+    def __post_init__(self) -> None:
+        ps = self.page_size
+        if ps < 16 or ps & (ps - 1):
+            raise KvchatError(f"--page-size must be a power of two from 16 up, got {ps}.")
+        if self.step_token_budget < self.max_batch:
+            raise KvchatError("The step token budget must be at least the batch size.")
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free now on the device (CUDA) or in RAM (CPU)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def default_cache_bytes(device: torch.device) -> tuple[int, int]:
+    """(device tier, host tier) sizes: a fifth of free memory each, capped at 4 GiB on CPU."""
+    if device.type == "cuda":
+        device_bytes = int(available_memory(device) * 0.6)
+        host_bytes = min(int(available_memory(torch.device("cpu")) * 0.25), 16 << 30)
+        return device_bytes, host_bytes
+    free = available_memory(device)
+    return min(free // 5, 4 << 30), min(free // 5, 4 << 30)

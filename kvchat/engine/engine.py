@@ -1,0 +1,414 @@
+"""The engine: one thread runs the step loop over the paged cache and the model.
+
+`submit`, `cancel`, `prefetch`, `residency` and `stats` are safe from any thread
+and never wait for a forward pass: requests go through an inbox the step thread
+drains, and `stats()` returns the snapshot published after the last step. The
+page table is touched by the step thread only, except `residency()`, which reads
+it under a lock that the step thread holds for bookkeeping but never across a
+forward pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
+import torch
+
+from kvchat.engine.config import EngineConfig, default_cache_bytes
+from kvchat.engine.events import (
+    CachedTokens,
+    EngineEvent,
+    PrefillProgress,
+    RequestFinished,
+    RequestStarted,
+    TokenGenerated,
+)
+from kvchat.engine.host_tier import HostTier
+from kvchat.engine.kv_store import DeviceKVStore, HostKVStore, KVPageMover, pages_for_bytes
+from kvchat.engine.page_hash import root_salt
+from kvchat.engine.page_table import PageTable, Residency
+from kvchat.engine.paged_attention import PagedAttention
+from kvchat.engine.request import FinishReason, GenerationRequest, RequestState
+from kvchat.engine.sampling import sample_next
+from kvchat.engine.scheduler import Scheduler, StepPlan
+from kvchat.engine.sequence import Sequence
+from kvchat.engine.stats import EngineStats, Evictions, TierPages
+from kvchat.errors import KvchatError
+from kvchat.model.batch import ForwardBatch
+from kvchat.model.detokenizer import IncrementalDetokenizer
+from kvchat.model.device import dtype_name
+
+log = logging.getLogger(__name__)
+RATE_WINDOW_S = 5.0
+
+
+class Engine:
+    def __init__(self, model, config: EngineConfig | None = None, *, start: bool = True):
+        """`model` is a `kvchat.model.loader.LoadedModel` (transformer, tokenizer, fingerprint)."""
+        self.config = config or EngineConfig()
+        self.model = model
+        self.transformer = model.transformer
+        self.tokenizer = model.tokenizer
+        mc = model.config
+        device, dtype = self.transformer.device, self.transformer.dtype
+        default_dev, default_host = default_cache_bytes(device)
+        dev_bytes = self.config.device_cache_bytes or default_dev
+        host_bytes = default_host if self.config.host_cache_bytes is None else self.config.host_cache_bytes
+        ps = self.config.page_size
+        geometry = (mc.num_layers, ps, mc.num_kv_heads, mc.head_dim, dtype)
+        num_pages = pages_for_bytes(dev_bytes, *geometry)
+        host_slots = pages_for_bytes(host_bytes, *geometry)
+        if num_pages < 2:
+            raise KvchatError(
+                f"The device cache ({dev_bytes} bytes) holds fewer than 2 pages of "
+                f"{ps} tokens; raise --device-cache or lower --page-size."
+            )
+        self.store = DeviceKVStore(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim, dtype, device)
+        self.host_store = (
+            HostKVStore(host_slots, mc.num_layers, ps, mc.num_kv_heads, mc.head_dim, dtype, device)
+            if host_slots
+            else None
+        )
+        salt = root_salt(model.fingerprint, dtype_name(dtype), self.config.kv_format)
+        self.table = PageTable(
+            num_pages, ps, salt, HostTier(host_slots) if host_slots else None,
+            KVPageMover(self.store, self.host_store),
+        )
+        self.attention = PagedAttention(self.store.k_all, self.store.v_all)
+        self.scheduler = Scheduler(self.config, self.table)
+        self.max_context = min(mc.max_position_embeddings, self.transformer.max_positions)
+        self.stop_ids = frozenset(self.tokenizer.stop_token_ids)
+
+        self._lock = threading.Lock()  # guards the page table and the inbox
+        self._wake = threading.Event()
+        self._inbox: list[Sequence] = []
+        self._cancels: set[int] = set()
+        self._prefetches: list[tuple[int, ...]] = []
+        self._next_id = 1
+        self._seqs: dict[int, Sequence] = {}
+        self._stopping = False
+        self._generated = 0
+        self._rates: deque[tuple[float, int, int]] = deque()  # (time, decode tokens, prefill tokens)
+        self._defragmented = True
+        self._stats = EngineStats(page_size=ps)
+        self._publish_stats()
+        self._thread = threading.Thread(target=self._loop, name="kvchat-engine", daemon=True)
+        if start:
+            self._thread.start()
+
+    # ---- the thread-safe API ---------------------------------------------------------------
+
+    @property
+    def model_fingerprint(self) -> str:
+        return self.model.fingerprint
+
+    @property
+    def context_length(self) -> int:
+        return self.max_context
+
+    def submit(self, request: GenerationRequest, on_event: Callable[[EngineEvent], None]) -> int:
+        with self._lock:
+            request_id = self._next_id
+            self._next_id += 1
+            seq = Sequence(request_id, request, on_event, IncrementalDetokenizer(self.tokenizer), self.stop_ids)
+            self._inbox.append(seq)
+        self._wake.set()
+        return request_id
+
+    def cancel(self, request_id: int) -> None:
+        with self._lock:
+            self._cancels.add(request_id)
+        self._wake.set()
+
+    def prefetch(self, token_ids: Seq[int]) -> None:
+        with self._lock:
+            self._prefetches.append(tuple(token_ids))
+        self._wake.set()
+
+    def residency(self, token_ids: Seq[int]) -> Residency:
+        with self._lock:
+            return self.table.residency(token_ids)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def close(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the step loop ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            try:
+                worked = self.step()
+            except Exception:  # a bug: log it, fail what was running, keep serving
+                log.exception("engine step failed")
+                worked = True
+            if not worked:
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+        with self._lock:
+            for seq in list(self._seqs.values()):
+                self._finish(seq, FinishReason.CANCELLED)
+
+    def step(self) -> bool:
+        """Run one step; False when there was nothing to do."""
+        with self._lock:
+            self._drain_inbox()
+            plan = self.scheduler.schedule()
+            if plan.empty:
+                stuck = self.scheduler.unfittable()
+                if stuck is not None:
+                    self._fail(stuck, "The prompt does not fit in the device cache even when it "
+                               "is empty; raise --device-cache or shorten the conversation.")
+                    return True
+                if not self.scheduler.running and not self._defragmented:
+                    self.table.defragment()
+                    self._defragmented = True
+                self._publish_stats()
+                return False
+            self._defragmented = False
+            for seq, reservation in plan.admitted:
+                self._on_admitted(seq, reservation)
+            for seq in plan.preempted:
+                seq.state = RequestState.PREEMPTED
+            batch, page_lists = self._build_batch(plan)
+        try:
+            self.attention.prepare(batch, page_lists)
+            logits = self.transformer.forward(batch, self.attention)
+        except Exception as exc:  # fail this step's requests, keep serving the others
+            log.exception("forward pass failed")
+            with self._lock:
+                for seq, _ in plan.runs:
+                    self._fail(seq, f"The model failed on this request: {exc}")
+            return True
+        with self._lock:
+            self._after_forward(plan, logits)
+            self._publish_stats()
+        return True
+
+    def _drain_inbox(self) -> None:
+        for seq in self._inbox:
+            self._seqs[seq.id] = seq
+            seq.emit(RequestStarted(seq.id, time.monotonic()))
+            problem = self._validate(seq)
+            if problem:
+                self._fail(seq, problem)
+            else:
+                self.scheduler.add(seq)
+        self._inbox.clear()
+        for request_id in self._cancels:
+            seq = self._seqs.get(request_id)
+            if seq is not None:
+                self._finish(seq, FinishReason.CANCELLED)
+        self._cancels.clear()
+        for tokens in self._prefetches:
+            self.table.prefetch(tokens)
+        self._prefetches.clear()
+
+    def _validate(self, seq: Sequence) -> str | None:
+        n = len(seq.tokens)
+        if n == 0:
+            return "The prompt is empty."
+        if n >= self.max_context:
+            return (f"The prompt has {n} tokens but the model's context holds {self.max_context}; "
+                    "shorten the conversation or start a new session.")
+        vocab = self.model.config.vocab_size
+        if max(seq.tokens) >= vocab or min(seq.tokens) < 0:
+            return "The prompt has token ids outside the model's vocabulary (another model's ids?)."
+        pages_needed = n // self.config.page_size + 1
+        if pages_needed > self.table.num_pages:
+            return (f"The prompt needs {pages_needed} pages but the device cache has "
+                    f"{self.table.num_pages}; raise --device-cache.")
+        return None
+
+    def _on_admitted(self, seq: Sequence, reservation) -> None:
+        if not seq.admitted:
+            seq.admitted = True
+            seq.cached = CachedTokens(device=reservation.cached_device, host=reservation.cached_host)
+            seq.prefilled_tokens = len(seq.tokens) - reservation.cached_tokens
+        else:
+            seq.recomputed_tokens += len(seq.tokens) - reservation.cached_tokens
+        seq.state = RequestState.PREFILLING if seq.to_compute > 1 or not seq.generated_ids else RequestState.DECODING
+
+    def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[tuple[int, ...]]]:
+        runs = [seq.tokens[seq.num_computed : seq.num_computed + n] for seq, n in plan.runs]
+        starts = [seq.num_computed for seq, _ in plan.runs]
+        device = self.transformer.device
+        ids: list[int] = []
+        positions: list[int] = []
+        logits_at: list[int] = []
+        for (seq, n), run, start in zip(plan.runs, runs, starts, strict=True):
+            ids.extend(run)
+            positions.extend(range(start, start + n))
+            if start + n == len(seq.tokens):  # the chunk reaches the end: sample after it
+                logits_at.append(len(ids) - 1)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            query_lens=tuple(n for _, n in plan.runs),
+            context_lens=tuple(s + n for s, (_, n) in zip(starts, plan.runs, strict=True)),
+            logits_indices=torch.tensor(logits_at, dtype=torch.long, device=device),
+        )
+        return batch, [self.table.pages(seq.id) for seq, _ in plan.runs]
+
+    def _after_forward(self, plan: StepPlan, logits: torch.Tensor) -> None:
+        now = time.monotonic()
+        logits = logits.cpu()
+        row = 0
+        decode_tokens = prefill_tokens = 0
+        for seq, n in plan.runs:
+            start = seq.num_computed
+            self.table.commit(seq.id, seq.tokens[start : start + n])
+            seq.num_computed += n
+            if n > 1 or not seq.generated_ids:
+                prefill_tokens += n
+            else:
+                decode_tokens += n
+            if seq.num_computed < len(seq.tokens):
+                seq.state = RequestState.PREFILLING
+                seq.emit(PrefillProgress(seq.id, seq.num_computed, seq.prompt_len, now))
+                continue
+            if seq.cancel_requested:
+                continue
+            token = sample_next(logits[row], seq.request.sampling, seq.generator, seq.tokens)
+            row += 1
+            self._append_token(seq, token, now)
+        self._rates.append((now, decode_tokens, prefill_tokens))
+        for seq in list(self.scheduler.running):
+            if (
+                seq.since_admission >= self.config.max_rq_tokens
+                and seq.num_computed % self.config.page_size == 0
+                and self.scheduler.waiting
+            ):
+                self.scheduler.requeue(seq)
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+        seq.tokens.append(token)
+        seq.since_admission += 1
+        self._generated += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.state = RequestState.DECODING
+        delta = seq.detokenizer.push([token])
+        reason = None
+        if token in seq.stop_ids:
+            reason = FinishReason.STOP
+        elif len(seq.generated_ids) >= seq.request.max_tokens:
+            reason = FinishReason.LENGTH
+        elif len(seq.tokens) >= self.max_context:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            delta += seq.detokenizer.flush()
+        text, hit_stop = self._apply_stop_strings(seq, delta, final=reason is not None)
+        if text:
+            seq.text += text
+        seq.emit(TokenGenerated(seq.id, text, (token,), now))
+        if hit_stop:
+            reason = FinishReason.STOP
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _apply_stop_strings(self, seq: Sequence, delta: str, *, final: bool) -> tuple[str, bool]:
+        """Text to emit now; holds back a tail that might be the start of a stop string."""
+        stops = seq.request.stop_strings
+        if not stops:
+            return delta, False
+        pending = seq.pending_text + delta
+        for stop in stops:
+            at = (seq.text[-len(stop):] + pending).find(stop) if stop else -1
+            if at >= 0:
+                cut = max(0, at - min(len(stop), len(seq.text)))
+                seq.pending_text = ""
+                return pending[:cut], True
+        if final:
+            seq.pending_text = ""
+            return pending, False
+        hold = 0
+        for stop in stops:
+            for k in range(min(len(stop) - 1, len(pending)), 0, -1):
+                if pending.endswith(stop[:k]):
+                    hold = max(hold, k)
+                    break
+        seq.pending_text = pending[len(pending) - hold :] if hold else ""
+        return pending[: len(pending) - hold], False
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        self._finish(seq, FinishReason.ERROR, message)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        if seq.state == RequestState.FINISHED:
+            return
+        self.scheduler.remove(seq)
+        self._seqs.pop(seq.id, None)
+        seq.state = RequestState.FINISHED
+        now = time.monotonic()
+        generated = seq.generated_ids
+        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.submit_time
+        decode_rate = None
+        if seq.first_token_time is not None and len(generated) > 1 and now > seq.first_token_time:
+            decode_rate = (len(generated) - 1) / (now - seq.first_token_time)
+        if reason == FinishReason.CANCELLED or reason == FinishReason.ERROR:
+            seq.text += seq.pending_text
+            seq.pending_text = ""
+        seq.emit(
+            RequestFinished(
+                request_id=seq.id,
+                reason=reason,
+                prompt_tokens=seq.prompt_len if seq.admitted else 0,
+                cached_tokens=seq.cached,
+                prefilled_tokens=seq.prefilled_tokens,
+                recomputed_tokens=seq.recomputed_tokens,
+                generated_ids=tuple(generated),
+                text=seq.text,
+                ttft_s=ttft,
+                decode_tok_s=decode_rate,
+                time=now,
+                error=error,
+            )
+        )
+
+    def _publish_stats(self) -> None:
+        now = time.monotonic()
+        while self._rates and self._rates[0][0] < now - RATE_WINDOW_S:
+            self._rates.popleft()
+        span = max(now - self._rates[0][0], 1e-3) if len(self._rates) > 1 else 0.0
+        decode_rate = sum(r[1] for r in self._rates) / span if span else 0.0
+        prefill_rate = sum(r[2] for r in self._rates) / span if span else 0.0
+        t = self.table.stats()
+        states: dict[str, int] = {s.value: 0 for s in RequestState if s != RequestState.FINISHED}
+        for seq in self._seqs.values():
+            if seq.state != RequestState.FINISHED:
+                states[seq.state.value] += 1
+        self._stats = EngineStats(
+            prompt_tokens=t.prompt_tokens,
+            cached_tokens=CachedTokens(t.cached_device, t.cached_host, t.cached_disk),
+            prefilled_tokens=t.prefilled_tokens,
+            recomputed_tokens=t.recomputed_tokens,
+            generated_tokens=self._generated,
+            pages={
+                "device": TierPages(t.device.capacity, t.device.active, t.device.cached, t.device.free),
+                "host": TierPages(t.host.capacity, t.host.active, t.host.cached, t.host.free),
+            },
+            evictions=Evictions(t.device_to_host, t.host_dropped, t.device_dropped),
+            requests=states,
+            preemptions=self.scheduler.preemptions,
+            decode_tok_s=decode_rate,
+            prefill_tok_s=prefill_rate,
+            page_size=self.config.page_size,
+            time=now,
+        )

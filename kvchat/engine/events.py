@@ -1,0 +1,69 @@
+"""Events the engine streams back per request (frozen: they cross threads).
+
+The engine calls the request's callback from its own thread; a consumer must
+only hand the event over (queue, `post_message`), never do slow work in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvchat.engine.request import FinishReason
+
+
+@dataclass(frozen=True)
+class CachedTokens:
+    """Prompt tokens served without compute, by the tier they came from."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.disk
+
+
+@dataclass(frozen=True)
+class RequestStarted:
+    request_id: int
+    time: float  # time.monotonic()
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    request_id: int
+    done_tokens: int  # prompt tokens now in the cache (cached + computed so far)
+    total_tokens: int
+    time: float
+
+
+@dataclass(frozen=True)
+class TokenGenerated:
+    request_id: int
+    text: str  # decoded delta; never splits a UTF-8 character
+    token_ids: tuple[int, ...]
+    time: float
+
+
+@dataclass(frozen=True)
+class RequestFinished:
+    request_id: int
+    reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: CachedTokens
+    prefilled_tokens: int  # prompt tokens computed; prompt = cached.total + prefilled
+    recomputed_tokens: int  # recompute caused by preemption or requeue (not in the hit rate)
+    generated_ids: tuple[int, ...]  # includes the stop token when the reply ended on one
+    text: str
+    ttft_s: float | None
+    decode_tok_s: float | None
+    time: float
+    error: str | None = None
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.generated_ids)
+
+
+EngineEvent = RequestStarted | PrefillProgress | TokenGenerated | RequestFinished

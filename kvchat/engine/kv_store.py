@@ -1,0 +1,156 @@
+"""The physical KV store: device pages, host slots, and the copies between them.
+
+The page table decides which page holds what; this module holds the bytes. K and
+V are each ONE tensor over all layers, `[num_layers, num_pages, page_size,
+n_kv_heads, head_dim]`, so moving a page across every layer is a single indexing
+copy (one for K, one for V) instead of one per layer, and `k(layer)` is a plain
+view `[num_pages, page_size, n_kv_heads, head_dim]` for the attention.
+
+The host store is slot-major, `[num_slots, num_layers, page_size, n_kv_heads,
+head_dim]`, so a slot is one contiguous block: the device-to-host copy of a page
+lands in one DMA-friendly region. On CUDA it is pinned, which lets both
+directions run with `non_blocking=True`: they are ordered on the current stream
+with the kernels that read or overwrite the pages, so no synchronization is
+needed between them; only a CPU reader of host bytes must call `synchronize()`.
+On a CPU device the host store is still a separate tensor pool, so the two tiers
+behave alike and the tests exercise the same copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token occupies across all layers."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * n_kv_heads * head_dim * itemsize
+
+
+def pages_for_bytes(
+    nbytes: int,
+    num_layers: int,
+    page_size: int,
+    n_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> int:
+    """How many whole pages (or host slots) fit in `nbytes` (0 when not even one fits)."""
+    per_page = page_size * kv_bytes_per_token(num_layers, n_kv_heads, head_dim, dtype)
+    return max(0, nbytes // per_page)
+
+
+class DeviceKVStore:
+    """The device pool: K and V for every layer and page, zero-initialized."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        shape = (num_layers, num_pages, page_size, n_kv_heads, head_dim)
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.k_all = torch.zeros(shape, dtype=dtype, device=device)  # [L, P, S, Hkv, D]
+        self.v_all = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_all.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_all.dtype
+
+    def k(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s keys, a view `[num_pages, page_size, n_kv_heads, head_dim]`."""
+        return self.k_all[layer]
+
+    def v(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s values, a view `[num_pages, page_size, n_kv_heads, head_dim]`."""
+        return self.v_all[layer]
+
+    def nbytes(self) -> int:
+        return 2 * self.k_all.numel() * self.k_all.element_size()
+
+
+class HostKVStore:
+    """Host slots for evicted full pages, in CPU memory (pinned when the device is CUDA)."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        page_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        for_device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_slots, num_layers, page_size, n_kv_heads, head_dim)
+        pin = torch.device(for_device).type == "cuda"
+        self.num_slots = num_slots
+        self.pinned = pin
+        self.k_all = torch.zeros(shape, dtype=dtype, pin_memory=pin)  # [slots, L, S, Hkv, D]
+        self.v_all = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+    def nbytes(self) -> int:
+        return 2 * self.k_all.numel() * self.k_all.element_size()
+
+
+class KVPageMover:
+    """The page table's `PageMover` over real tensors: one copy per tensor per operation."""
+
+    def __init__(self, device_store: DeviceKVStore, host_store: HostKVStore | None) -> None:
+        self.device_store = device_store
+        self.host_store = host_store
+        self._async = device_store.device.type == "cuda" and (
+            host_store is None or host_store.pinned
+        )
+        if host_store is not None:
+            d, h = device_store.k_all, host_store.k_all
+            if h.dtype != d.dtype or h.shape[1:] != (d.shape[0], *d.shape[2:]):
+                raise ValueError(
+                    f"host store {tuple(h.shape)} {h.dtype} does not match "
+                    f"device store {tuple(d.shape)} {d.dtype}"
+                )
+
+    def _host(self) -> HostKVStore:
+        if self.host_store is None:
+            raise RuntimeError("this mover has no host store")
+        return self.host_store
+
+    def device_to_host(self, device_page: int, host_slot: int) -> None:
+        host = self._host()
+        dev = self.device_store
+        # [L, S, Hkv, D] (strided across layers on the device) -> one contiguous host slot
+        host.k_all[host_slot].copy_(dev.k_all[:, device_page], non_blocking=self._async)
+        host.v_all[host_slot].copy_(dev.v_all[:, device_page], non_blocking=self._async)
+
+    def host_to_device(self, host_slot: int, device_page: int) -> None:
+        host = self._host()
+        dev = self.device_store
+        dev.k_all[:, device_page].copy_(host.k_all[host_slot], non_blocking=self._async)
+        dev.v_all[:, device_page].copy_(host.v_all[host_slot], non_blocking=self._async)
+
+    def copy_tokens(self, src_page: int, dst_page: int, n_tokens: int) -> None:
+        dev = self.device_store
+        # [L, n, Hkv, D]: the first n slots of the page, every layer
+        dev.k_all[:, dst_page, :n_tokens] = dev.k_all[:, src_page, :n_tokens]
+        dev.v_all[:, dst_page, :n_tokens] = dev.v_all[:, src_page, :n_tokens]
+
+    def move_page(self, src_page: int, dst_page: int) -> None:
+        dev = self.device_store
+        dev.k_all[:, dst_page] = dev.k_all[:, src_page]
+        dev.v_all[:, dst_page] = dev.v_all[:, src_page]
+
+    def synchronize(self) -> None:
+        """Wait for pending asynchronous copies (before the CPU reads host bytes)."""
+        if self._async:
+            torch.cuda.synchronize(self.device_store.device)

@@ -1,0 +1,148 @@
+"""Attention that reads and writes K/V through each sequence's page list.
+
+The store is one K and one V tensor shaped [layers, pages, page_size, kv_heads,
+head_dim]; a sequence's token at position p lives in page `pages[p // S]`, slot
+`p % S`. `prepare()` turns a batch and its page lists into flat slot indices once
+per forward; every layer then writes its new K/V with one `index_copy_` and reads
+each sequence's context either as a plain slice (when its pages are contiguous, as
+defragmentation leaves them) or with one gather.
+
+Decode-only batches run one padded, batched matmul-softmax-matmul for all
+sequences (SDPA costs ~250 µs a call for a single query on CPU, NOTES.md); prefill
+chunks use SDPA per sequence with a causal mask offset by the cached prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvchat.model.batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class _ContextView:
+    """How one sequence's context is read: a contiguous slot range, or gathered slots."""
+
+    start: int  # first flat slot when contiguous
+    length: int
+    gather: torch.Tensor | None  # [L] flat slot indices when not contiguous
+
+
+class PagedAttention:
+    def __init__(self, k_all: torch.Tensor, v_all: torch.Tensor):
+        self.k_all = k_all  # [layers, pages, S, Hkv, D]
+        self.v_all = v_all
+        self.page_size = int(k_all.shape[2])
+        self.num_kv_heads = int(k_all.shape[3])
+        self.head_dim = int(k_all.shape[4])
+        self.scale = self.head_dim**-0.5
+        self._batch: ForwardBatch | None = None
+        self._slots: torch.Tensor | None = None
+        self._views: list[_ContextView] = []
+        self._decode_index: torch.Tensor | None = None
+        self._decode_mask: torch.Tensor | None = None
+
+    def prepare(self, batch: ForwardBatch, page_lists: Sequence[Sequence[int]]) -> None:
+        """Precompute, once per forward, where each new token goes and each context comes from."""
+        S = self.page_size
+        device = self.k_all.device
+        slots: list[int] = []
+        views: list[_ContextView] = []
+        for n, total, pages in zip(batch.query_lens, batch.context_lens, page_lists, strict=True):
+            for pos in range(total - n, total):
+                slots.append(pages[pos // S] * S + pos % S)
+            used = (total + S - 1) // S
+            first = pages[0]
+            if all(pages[j] == first + j for j in range(used)):
+                views.append(_ContextView(first * S, total, None))
+            else:
+                page_idx = torch.tensor(pages[:used], dtype=torch.long)
+                flat = (page_idx[:, None] * S + torch.arange(S)).reshape(-1)[:total]
+                views.append(_ContextView(0, total, flat.to(device)))
+        self._batch = batch
+        self._slots = torch.tensor(slots, dtype=torch.long, device=device)
+        self._views = views
+        self._decode_index = None
+        self._decode_mask = None
+        if batch.is_decode_only and len(views) > 1:
+            self._prepare_padded_decode(views)
+
+    def _prepare_padded_decode(self, views: list[_ContextView]) -> None:
+        device = self.k_all.device
+        longest = max(v.length for v in views)
+        index = torch.zeros(len(views), longest, dtype=torch.long, device=device)
+        for i, v in enumerate(views):
+            index[i, : v.length] = (
+                v.gather if v.gather is not None else torch.arange(v.start, v.start + v.length, device=device)
+            )
+        lengths = torch.tensor([v.length for v in views], device=device)
+        self._decode_index = index  # [B, Lmax]
+        self._decode_mask = (torch.arange(longest, device=device)[None, :] < lengths[:, None])[:, None, None, :]
+
+    def _flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.k_all[layer].view(-1, self.num_kv_heads, self.head_dim)  # [P*S, Hkv, D]
+        v = self.v_all[layer].view(-1, self.num_kv_heads, self.head_dim)
+        return k, v
+
+    def _context(self, flat: torch.Tensor, view: _ContextView) -> torch.Tensor:
+        if view.gather is None:
+            return flat[view.start : view.start + view.length]  # a view: no copy
+        return flat[view.gather]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        assert self._batch is not None and self._slots is not None, "prepare() first"
+        k_flat, v_flat = self._flat(layer)
+        k_flat.index_copy_(0, self._slots, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, self._slots, v.to(v_flat.dtype))
+        if self._batch.is_decode_only:
+            return self._decode(q, k_flat, v_flat)
+        return self._prefill(q, k_flat, v_flat)
+
+    def _decode(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor) -> torch.Tensor:
+        """One query per sequence, all sequences in one SDPA call (padded, masked when B > 1).
+
+        Measured on the target CPU: SDPA over permuted views beats a hand-written grouped
+        matmul-softmax-matmul in bf16 (~30 µs vs ~210 µs at 512 context), because bf16
+        bmm on non-contiguous operands copies them first.
+        """
+        B, Hq, D = q.shape
+        if self._decode_index is None:  # batch of one: the context is a slice or one gather
+            keys = self._context(k_flat, self._views[0]).unsqueeze(0)  # [1, L, Hkv, D]
+            values = self._context(v_flat, self._views[0]).unsqueeze(0)
+            mask = None
+        else:
+            keys = k_flat[self._decode_index]  # [B, Lmax, Hkv, D]
+            values = v_flat[self._decode_index]
+            mask = self._decode_mask  # [B, 1, 1, Lmax], True where attended
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [B, Hq, 1, D]
+            keys.permute(0, 2, 1, 3),  # [B, Hkv, L, D]
+            values.permute(0, 2, 1, 3),
+            attn_mask=mask,
+            enable_gqa=True,
+        )  # [B, Hq, 1, D]
+        return out.view(B, Hq, D)
+
+    def _prefill(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor) -> torch.Tensor:
+        """Per sequence: SDPA over its whole context, causal from its first new token on."""
+        assert self._batch is not None
+        out = torch.empty_like(q)
+        start = 0
+        for n, view in zip(self._batch.query_lens, self._views, strict=True):
+            qs = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            ks = self._context(k_flat, view).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            vs = self._context(v_flat, view).transpose(0, 1).unsqueeze(0)
+            offset = view.length - n
+            if offset == 0:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            else:
+                q_pos = torch.arange(offset, view.length, device=q.device)[:, None]
+                allowed = torch.arange(view.length, device=q.device)[None, :] <= q_pos  # [n, L]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, enable_gqa=True)
+            out[start : start + n] = o[0].transpose(0, 1)
+            start += n
+        return out

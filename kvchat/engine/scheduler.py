@@ -1,0 +1,129 @@
+"""Which sequences run in the next step, and how many tokens each.
+
+Every step has a token budget. Running decodes take one token each first; prefill
+chunks fill what is left, so a long new prompt never stops another stream for more
+than one step. Admission needs a batch slot and pages; a request that does not fit
+may be overtaken by later ones at most `max_skips` times, then it blocks the queue
+until it fits (no starvation). When the running sequences alone exhaust the pages,
+the newest is preempted: its pages go back to the cache and it is requeued first,
+so its recompute is mostly a cache hit.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvchat.engine.config import EngineConfig
+from kvchat.engine.page_table import PageTable, Reservation
+from kvchat.engine.request import RequestState
+from kvchat.engine.sequence import Sequence
+
+
+@dataclass
+class StepPlan:
+    runs: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to feed)
+    admitted: list[tuple[Sequence, Reservation]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.runs
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, table: PageTable):
+        self.config = config
+        self.table = table
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the newest is last
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Forget a finished or cancelled sequence, releasing its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.table.release(seq.id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """Give a long generation's pages back to the cache and let the queue move."""
+        self.running.remove(seq)
+        self.table.release(seq.id)
+        seq.num_computed = 0
+        seq.state = RequestState.QUEUED
+        self.waiting.append(seq)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.config.step_token_budget
+        # 1. decodes first: one token each, preempting the newest when pages run out
+        for seq in list(self.running):
+            if seq not in self.running or seq.to_compute != 1:
+                continue
+            while not self.table.ensure_capacity(seq.id, len(seq.tokens) + 1):
+                victim = self._newest_except(seq, plan)
+                self._preempt(victim or seq, plan)
+                if victim is None:
+                    break
+            if seq in self.running:
+                plan.runs.append((seq, 1))
+                budget -= 1
+        # 2. prefills already under way continue in admission order
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.to_compute > 1:
+                n = min(seq.to_compute, budget)
+                plan.runs.append((seq, n))
+                budget -= n
+        # 3. admit new requests while budget and batch slots last
+        blocked: Sequence | None = None
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_batch:
+                break
+            if blocked is not None and blocked.skipped >= self.config.max_skips:
+                break  # the head has been overtaken enough: wait for it to fit
+            count_as = "recompute" if seq.admitted else "prompt"
+            reservation = self.table.reserve(seq.id, seq.tokens, count_as=count_as)
+            if reservation is None:
+                if blocked is None:
+                    blocked = seq
+                continue
+            if blocked is not None:
+                blocked.skipped += 1
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            seq.num_computed = reservation.to_compute_from
+            seq.since_admission = 0
+            plan.admitted.append((seq, reservation))
+            n = min(seq.to_compute, budget)
+            plan.runs.append((seq, n))
+            budget -= n
+        return plan
+
+    def unfittable(self) -> Sequence | None:
+        """A waiting request that can never fit: nothing runs and it still cannot be reserved."""
+        if self.running or not self.waiting:
+            return None
+        return self.waiting[0]
+
+    def _newest_except(self, keep: Sequence, plan: StepPlan) -> Sequence | None:
+        for seq in reversed(self.running):
+            if seq is not keep:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.running.remove(seq)
+        self.table.release(seq.id)
+        plan.runs = [(s, n) for s, n in plan.runs if s is not seq]
+        seq.num_computed = 0
+        seq.state = RequestState.PREEMPTED
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq)
+        self.preemptions += 1

@@ -1,0 +1,57 @@
+"""The engine's immutable stats snapshot (DESIGN.md "Metric definitions").
+
+One meaning everywhere: the UI meters, the headless `stats` event and the bench
+all read these fields. Counters only grow; rates come from the difference of two
+snapshots (`decode_tok_s`/`prefill_tok_s` here are already such a windowed rate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from kvchat.engine.events import CachedTokens
+
+
+@dataclass(frozen=True)
+class TierPages:
+    capacity: int = 0
+    active: int = 0  # referenced by a live request
+    cached: int = 0  # unreferenced, with content (the prompt cache)
+    free: int = 0
+
+
+@dataclass(frozen=True)
+class Evictions:
+    device_to_host: int = 0
+    host_dropped: int = 0
+    device_dropped: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    prompt_tokens: int = 0
+    cached_tokens: CachedTokens = field(default_factory=CachedTokens)
+    prefilled_tokens: int = 0
+    recomputed_tokens: int = 0
+    generated_tokens: int = 0
+    pages: dict[str, TierPages] = field(default_factory=dict)  # "device", "host"
+    evictions: Evictions = field(default_factory=Evictions)
+    requests: dict[str, int] = field(default_factory=dict)  # RequestState value -> count
+    preemptions: int = 0
+    decode_tok_s: float = 0.0  # over the last few seconds
+    prefill_tok_s: float = 0.0
+    page_size: int = 0
+    time: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """sum(cached_tokens) / prompt_tokens, cumulative; 0 before any prompt."""
+        if self.prompt_tokens == 0:
+            return 0.0
+        return self.cached_tokens.total / self.prompt_tokens
+
+    def to_json(self) -> dict[str, object]:
+        """The headless `stats` event body: DESIGN.md's field names, nested objects."""
+        out = asdict(self)
+        out["hit_rate"] = self.hit_rate
+        return out

@@ -1,0 +1,262 @@
+"""From a llama.cpp GGUF to what kvchat's loader reads from a Hugging Face directory.
+
+kvchat's model code is written against Hugging Face config.json keys and
+tensor names. A GGUF of the same family carries the same numbers under
+llama.cpp's names, so this module translates both: `gguf_to_hf_config` builds
+a config.json dict from the metadata, `gguf_state_dict` yields the weights,
+dequantized, under Hugging Face names.
+
+One translation is not a rename: llama.cpp's converter permutes the rows of
+the query and key projections of the `llama` architecture (from Hugging Face's
+"rotate half" rotary layout to GPT-J's interleaved one). Skipping the
+inverse gives a model that runs and talks plausible nonsense, so it is undone
+here, exactly as transformers' GGUF loader does. `qwen2` is converted without
+that permutation (llama.cpp's Qwen2 converter does not apply it).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from kvchat.errors import ModelLoadError
+from kvchat.model.gguf_dequant import dequantize
+from kvchat.model.gguf_file import GGUFFile
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+_HF_ARCH = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+}
+
+# GGUF tensor name -> Hugging Face name; {i} is the layer index.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Tensors that describe the model rather than hold weights: read into the config.
+_CONFIG_TENSORS = {"rope_freqs.weight"}
+
+
+def check_architecture(metadata: dict[str, object]) -> str:
+    """`general.architecture` if kvchat runs it, else a `ModelLoadError`."""
+    arch = metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture {arch}; kvchat runs the Llama family "
+            "(llama, mistral, qwen2). Choose a GGUF of one of those."
+        )
+    return str(arch)
+
+
+def _required(metadata: dict[str, object], key: str) -> object:
+    if key not in metadata:
+        raise ModelLoadError(f"the GGUF metadata lacks {key!r}; the file is incomplete or corrupt.")
+    return metadata[key]
+
+
+def _f32(value: object) -> float:
+    """A float32 metadata value as the short decimal it was written from (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(value)))
+
+
+def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, object]:
+    """A Hugging Face style config.json dict for the model in `gguf`.
+
+    Needs the whole file, not only its metadata: whether the embeddings are
+    tied follows from the absence of `output.weight`, and Llama 3.x rope
+    scaling is stored as a `rope_freqs` tensor rather than as metadata.
+    """
+    if not isinstance(gguf, GGUFFile):
+        raise TypeError(
+            "gguf_to_hf_config needs the GGUFFile, not its metadata: tie_word_embeddings "
+            "and rope scaling depend on which tensors the file holds"
+        )
+    md = gguf.metadata
+    arch = check_architecture(md)
+    model_type, hf_class = _HF_ARCH[arch]
+
+    hidden = int(_required(md, f"{arch}.embedding_length"))  # type: ignore[arg-type]
+    n_heads = int(_required(md, f"{arch}.attention.head_count"))  # type: ignore[arg-type]
+    n_kv_heads = int(md.get(f"{arch}.attention.head_count_kv", n_heads))  # type: ignore[arg-type]
+    head_dim = md.get(f"{arch}.attention.key_length")
+    if head_dim is None and arch == "llama":
+        head_dim = md.get(f"{arch}.rope.dimension_count")
+    head_dim = int(head_dim) if head_dim is not None else hidden // n_heads  # type: ignore[arg-type]
+
+    embed = gguf.tensors.get("token_embd.weight")
+    vocab_size = md.get(f"{arch}.vocab_size")
+    if vocab_size is None:
+        tokens = md.get("tokenizer.ggml.tokens")
+        vocab_size = embed.shape[0] if embed else len(tokens) if isinstance(tokens, list) else None
+    if vocab_size is None:
+        raise ModelLoadError("the GGUF says nothing of its vocabulary size; the file is corrupt.")
+
+    config: dict[str, object] = {
+        "model_type": model_type,
+        "architectures": [hf_class],
+        "hidden_size": hidden,
+        "intermediate_size": int(_required(md, f"{arch}.feed_forward_length")),  # type: ignore[arg-type]
+        "num_hidden_layers": int(_required(md, f"{arch}.block_count")),  # type: ignore[arg-type]
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": _f32(md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _f32(md.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(md.get(f"{arch}.context_length", 2048)),  # type: ignore[arg-type]
+        "vocab_size": int(vocab_size),  # type: ignore[arg-type]
+        "tie_word_embeddings": "output.weight" not in gguf.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
+        "hidden_act": "silu",
+    }
+    for gguf_key, hf_key in (
+        ("tokenizer.ggml.bos_token_id", "bos_token_id"),
+        ("tokenizer.ggml.eos_token_id", "eos_token_id"),
+        ("tokenizer.ggml.padding_token_id", "pad_token_id"),
+    ):
+        if gguf_key in md:
+            config[hf_key] = int(md[gguf_key])  # type: ignore[call-overload]
+
+    rope_scaling = _rope_scaling(gguf, arch, head_dim, float(config["rope_theta"]))  # type: ignore[arg-type]
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    return config
+
+
+def _rope_scaling(
+    gguf: GGUFFile, arch: str, head_dim: int, theta: float
+) -> dict[str, object] | None:
+    md = gguf.metadata
+    kind = md.get(f"{arch}.rope.scaling.type")
+    if kind is not None and kind != "none":
+        if kind not in ("linear", "yarn"):
+            raise ModelLoadError(f"the GGUF uses rope scaling {kind!r}, which kvchat does not run.")
+        scaling: dict[str, object] = {
+            "rope_type": kind,
+            "factor": _f32(_required(md, f"{arch}.rope.scaling.factor")),
+        }
+        original = md.get(f"{arch}.rope.scaling.original_context_length")
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)  # type: ignore[call-overload]
+        return scaling
+    if "rope_freqs.weight" in gguf.tensors:
+        info = gguf.tensors["rope_freqs.weight"]
+        factors = dequantize(gguf.raw(info.name), info.ggml_type, info.shape).double()
+        return _llama3_rope_scaling(factors, head_dim, theta)
+    return None
+
+
+def _llama3_rope_scaling(factors: torch.Tensor, head_dim: int, theta: float) -> dict[str, object]:
+    """Recover Llama 3.x's `rope_scaling` from the per-frequency divisors llama.cpp stores.
+
+    llama.cpp bakes the Llama 3 scaling into a `rope_freqs` tensor. Every
+    Llama 3.1/3.2/3.3 release uses low_freq_factor 1, high_freq_factor 4 and
+    an original context of 8192; only `factor` varies, and it is the largest
+    divisor. We rebuild the divisors from those parameters and refuse the file
+    if they do not match, rather than run it with a wrong rotary embedding.
+    """
+    factor = float(factors.max())
+    params: dict[str, object] = {
+        "rope_type": "llama3",
+        "factor": round(factor, 6),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = 8192 / 1.0, 8192 / 4.0
+    smooth = (8192 / wavelen - 1.0) / (4.0 - 1.0)
+    expected = torch.where(
+        wavelen < high_wavelen,
+        torch.ones_like(wavelen),
+        torch.where(
+            wavelen > low_wavelen,
+            torch.full_like(wavelen, factor),
+            1.0 / ((1 - smooth) / factor + smooth),
+        ),
+    )
+    if factors.shape != expected.shape or not torch.allclose(factors, expected, rtol=1e-3):
+        raise ModelLoadError(
+            "the GGUF's rope_freqs tensor is not Llama 3 rope scaling as kvchat knows it; "
+            "use the model's Hugging Face directory instead."
+        )
+    return params
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor; None for tensors that are config, not weights."""
+    if gguf_name in _CONFIG_TENSORS:
+        return None
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_RE.match(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    raise ModelLoadError(
+        f"the GGUF holds a tensor {gguf_name!r} that kvchat's Llama-family model has no place "
+        "for; the file is not a plain llama/qwen2 model."
+    )
+
+
+def llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's row permutation of attn_q/attn_k (convert_hf_to_gguf.py, LlamaModel.permute).
+
+    Within each head, rows [first half | second half] become interleaved
+    pairs. Kept here as the reference the inverse is tested against.
+    """
+    half = w.shape[0] // n_heads // 2
+    # [n_heads * head_dim, ...] -> [n_heads, 2, half, ...] -> [n_heads, half, 2, ...]
+    return w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def undo_llama_cpp_permute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of `llama_cpp_permute`: back to Hugging Face's rotate-half row order."""
+    half = w.shape[0] // n_heads // 2
+    # [n_heads * head_dim, ...] -> [n_heads, half, 2, ...] -> [n_heads, 2, half, ...]
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_state_dict(gguf: GGUFFile, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, tensor)` for every weight of `gguf`, dequantized and cast to `dtype`.
+
+    One tensor at a time, so peak memory is one float32 tensor above the
+    model itself. `lm_head.weight` is absent when the embeddings are tied
+    (see the config's `tie_word_embeddings`).
+    """
+    md = gguf.metadata
+    arch = check_architecture(md)
+    n_heads = int(_required(md, f"{arch}.attention.head_count"))  # type: ignore[arg-type]
+    n_kv_heads = int(md.get(f"{arch}.attention.head_count_kv", n_heads))  # type: ignore[arg-type]
+    for name, info in gguf.tensors.items():
+        hf_name = hf_tensor_name(name)
+        if hf_name is None:
+            continue
+        weight = dequantize(gguf.raw(name), info.ggml_type, info.shape)  # float32, torch order
+        if arch == "llama":
+            if ".attn_q." in name:
+                weight = undo_llama_cpp_permute(weight, n_heads)
+            elif ".attn_k." in name:
+                weight = undo_llama_cpp_permute(weight, n_kv_heads)
+        yield hf_name, weight.to(dtype)

@@ -1,0 +1,180 @@
+"""One entry point for every model source: `load_model(spec)`.
+
+A GGUF file is converted once into a Hugging Face style folder in the cache
+(config.json, tokenizer files, weights as safetensors in the compute dtype),
+keyed by the file's content hash, so later starts memory-map it instead of
+dequantizing again. After that, every source is a Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from kvchat.errors import ModelLoadError
+from kvchat.model.chat_template import DEFAULT_CHATML_TEMPLATE, ChatTemplate
+from kvchat.model.config import ModelConfig
+from kvchat.model.device import default_device, dtype_name, resolve_dtype
+from kvchat.model.safetensors_folder import read_tensors, weight_files
+from kvchat.model.tokenizer import Tokenizer
+from kvchat.model.transformer import Transformer
+from kvchat.model.turn_renderer import TurnRenderer
+from kvchat.paths import app_paths
+
+Progress = Callable[[str], None]
+CONVERSION_VERSION = 1  # bump when the converted folder's layout changes
+
+
+@dataclass
+class LoadedModel:
+    """Everything the engine and the chat layer need from a model, loaded once."""
+
+    name: str
+    source: Path
+    folder: Path  # the Hugging Face style folder actually read
+    config: ModelConfig
+    transformer: Transformer
+    tokenizer: Tokenizer
+    renderer: TurnRenderer
+    fingerprint: str  # identity of the weights: salts page hashes, tags session ids
+    generation_defaults: dict[str, float]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @property
+    def context_length(self) -> int:
+        return self.config.max_position_embeddings
+
+
+def load_model(
+    spec: str | None = None,
+    *,
+    dtype: str | None = None,
+    device: str | None = None,
+    progress: Progress = lambda _msg: None,
+) -> LoadedModel:
+    from kvchat.model.registry import resolve_model  # registry imports the default-model fetcher
+
+    source = resolve_model(spec, progress=progress)
+    dev = torch.device(device) if device else default_device()
+    torch_dtype = resolve_dtype(dtype, dev)
+    if source.is_file():
+        folder = convert_gguf(source, torch_dtype, progress)
+        fingerprint = folder.name
+    else:
+        folder = source
+        fingerprint = folder_fingerprint(folder)
+    config = ModelConfig.from_file(folder / "config.json")
+    tokenizer = Tokenizer.from_folder(folder)
+    progress(f"Loading {source.name} ({dtype_name(torch_dtype)} on {dev.type})...")
+    weights = dict(read_tensors(folder, torch_dtype, dev))
+    transformer = Transformer(config, weights)
+    template = ChatTemplate(
+        tokenizer.chat_template or DEFAULT_CHATML_TEMPLATE,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+    )
+    return LoadedModel(
+        name=source.stem if source.is_file() else source.name,
+        source=source,
+        folder=folder,
+        config=config,
+        transformer=transformer,
+        tokenizer=tokenizer,
+        renderer=TurnRenderer(tokenizer, template),
+        fingerprint=fingerprint,
+        generation_defaults=_generation_defaults(folder),
+    )
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def folder_fingerprint(folder: Path) -> str:
+    """Cheap identity of a safetensors folder: config, and each file's size and header."""
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    for path in weight_files(folder):
+        with path.open("rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            digest.update(path.name.encode())
+            digest.update(str(path.stat().st_size).encode())
+            digest.update(f.read(min(header_len, 1 << 24)))
+            f.seek(-min(1 << 16, path.stat().st_size), 2)
+            digest.update(f.read())
+    return "hf-" + digest.hexdigest()[:24]
+
+
+def convert_gguf(path: Path, dtype: torch.dtype, progress: Progress) -> Path:
+    """The cached Hugging Face style folder for a GGUF file, converting it on first use."""
+    from kvchat.model.gguf_convert import gguf_state_dict, gguf_to_hf_config
+    from kvchat.model.gguf_file import GGUFFile
+    from kvchat.model.gguf_tokenizer import tokenizer_parts_from_gguf
+
+    if not path.exists():
+        raise ModelLoadError(f"{path} does not exist.")
+    key = f"gguf-{file_sha256(path)[:24]}-v{CONVERSION_VERSION}"
+    folder = app_paths().models_dir / "converted" / key
+    weights_file = folder / f"model-{dtype_name(dtype)}.safetensors"
+    if weights_file.exists() and (folder / "config.json").exists():
+        return folder
+    progress(f"Converting {path.name} for kvchat ({dtype_name(dtype)}), once...")
+    gguf = GGUFFile.open(path)
+    config = gguf_to_hf_config(gguf)
+    ModelConfig.from_dict(config)  # refuse unsupported architectures before the heavy work
+    parts = tokenizer_parts_from_gguf(gguf.metadata)
+    tensors = {name: t.contiguous() for name, t in gguf_state_dict(gguf, dtype)}
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+        parts.backend.save(str(folder / "tokenizer.json"))
+        tok_config = {
+            "bos_token": parts.bos_token,
+            "eos_token": parts.eos_token,
+            "add_bos_token": parts.add_bos_token,
+            "chat_template": parts.chat_template,
+        }
+        (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+        (folder / "source.json").write_text(json.dumps({"gguf": str(path.resolve())}))
+        partial = weights_file.with_suffix(".partial")
+        save_file(tensors, str(partial))
+        partial.replace(weights_file)  # atomic: an interrupted conversion is redone, not half-read
+    except OSError as exc:
+        raise ModelLoadError(
+            f"Could not write the converted model to {folder} ({exc}). Is the disk full?"
+        ) from exc
+    progress(f"Converted model cached in {folder}")
+    return folder
+
+
+def _generation_defaults(folder: Path) -> dict[str, float]:
+    """Chat sampling defaults: the model's generation_config, else temperature 0.7, top-p 0.9."""
+    defaults: dict[str, float] = {"temperature": 0.7, "top_p": 0.9}
+    path = folder / "generation_config.json"
+    if path.exists():
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return defaults
+        for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            if isinstance(raw.get(key), int | float):
+                defaults[key] = float(raw[key])
+        if raw.get("do_sample") is False:
+            defaults["temperature"] = 0.0
+    return defaults

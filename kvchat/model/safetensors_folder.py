@@ -1,0 +1,52 @@
+"""Read a Hugging Face model folder's weights: one or many (sharded) *.safetensors files.
+
+Tensors are memory-mapped by safetensors and cast to the compute dtype one by one,
+so peak memory is the converted model plus one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kvchat.errors import ModelLoadError
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"{index} is not a valid safetensors index ({exc}).") from exc
+        files = sorted({folder / name for name in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ModelLoadError(
+                f"{folder} is missing weight shards listed in its index: {', '.join(missing)}. "
+                "Finish the download, or pick another model with --model."
+            )
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"{folder} has no *.safetensors weights. kvchat reads Hugging Face folders with "
+            "safetensors weights, or GGUF files."
+        )
+    return files
+
+
+def read_tensors(folder: Path, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in weight_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, f.get_tensor(name).to(device=device, dtype=dtype)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(
+                f"{path} is corrupt or truncated ({exc}). Re-download the model."
+            ) from exc

@@ -1,0 +1,137 @@
+"""The Llama-family forward pass in plain torch.
+
+Written to be checked against the paper and transformers' LlamaModel line by line;
+the differences are for speed only: q/k/v and gate/up are fused into one matmul
+each, rotary cos/sin are gathered once per forward, and logits are computed only
+for the positions the caller asks for. Norms follow transformers exactly (float32
+variance, cast back before the weight) so logits match within the dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from kvchat.errors import ModelLoadError
+from kvchat.model.batch import Attention, ForwardBatch
+from kvchat.model.config import ModelConfig
+from kvchat.model.rope import RotaryTable, apply_rotary
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: variance in float32, scale applied in the input dtype."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+class Layer:
+    """One decoder layer's weights (fused) and its forward."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+        self.config = config
+        self.input_norm = weights["input_layernorm.weight"]
+        self.post_norm = weights["post_attention_layernorm.weight"]
+        self.qkv = torch.cat(
+            [weights[f"self_attn.{p}_proj.weight"] for p in ("q", "k", "v")], dim=0
+        )  # [(Hq + 2 Hkv) D, hidden]
+        self.qkv_bias = (
+            torch.cat([weights[f"self_attn.{p}_proj.bias"] for p in ("q", "k", "v")])
+            if config.attention_bias
+            else None
+        )
+        self.o = weights["self_attn.o_proj.weight"]
+        self.gate_up = torch.cat(
+            [weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]], dim=0
+        )  # [2 I, hidden]
+        self.down = weights["mlp.down_proj.weight"]
+
+    def forward(
+        self,
+        index: int,
+        h: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: Attention,
+    ) -> torch.Tensor:
+        c = self.config
+        x = rms_norm(h, self.input_norm, c.rms_norm_eps)
+        qkv = F.linear(x, self.qkv, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
+        t = qkv.shape[0]
+        qk = qkv[:, : c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
+        qk = apply_rotary(qk, cos, sin)  # q and k rotated in one op
+        q = qk[:, : c.num_heads]  # [T, Hq, D]
+        k = qk[:, c.num_heads :]  # [T, Hkv, D]
+        v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
+        attn = attention(index, q, k, v)  # [T, Hq, D]
+        h = h + F.linear(attn.reshape(t, c.q_size), self.o)
+        x = rms_norm(h, self.post_norm, c.rms_norm_eps)
+        gate_up = F.linear(x, self.gate_up)  # [T, 2 I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down)
+
+
+class Transformer:
+    """Embeddings, decoder layers, final norm and the LM head, on one device and dtype."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        max_positions: int | None = None,
+    ):
+        self.config = config
+        missing = _missing_weights(config, weights)
+        if missing:
+            raise ModelLoadError(
+                f"The model's weights are incomplete: {len(missing)} tensors missing "
+                f"(e.g. {missing[0]}). Re-download or re-convert the model."
+            )
+        self.embed = weights["model.embed_tokens.weight"]
+        self.lm_head = weights.get("lm_head.weight", self.embed)
+        self.norm = weights["model.norm.weight"]
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        self.layers = [
+            Layer(config, _strip_prefix(weights, f"model.layers.{i}.")) for i in range(config.num_layers)
+        ]
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.rotary = RotaryTable(config, self.max_positions, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, attention: Attention) -> torch.Tensor:
+        """Logits [N, vocab] in float32 for `batch.logits_indices`."""
+        h = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        cos, sin = self.rotary.lookup(batch.positions)
+        for i, layer in enumerate(self.layers):
+            h = layer.forward(i, h, cos, sin, attention)
+        h = h[batch.logits_indices]  # [N, hidden]: the LM head only where logits are needed
+        h = rms_norm(h, self.norm, self.config.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()  # [N, vocab]
+
+
+def _strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+
+
+def _missing_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[str]:
+    names: list[str] = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    per_layer: Iterable[str] = (
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+    )
+    for i in range(config.num_layers):
+        names.extend(f"model.layers.{i}.{n}" for n in per_layer)
+    return [n for n in names if n not in weights]

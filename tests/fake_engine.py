@@ -1,0 +1,326 @@
+"""A fake engine and a character-level chat template for the chat, headless and TUI tests.
+
+`FakeEngine` is a real thread emitting a deterministic schedule of engine events
+for each submitted request, one token per request per step (so replies of
+several sessions interleave as with continuous batching). It honours cancel,
+counts cached tokens as the longest prefix shared with any sequence it has seen
+(so prompt = cached + prefilled holds and hit rates look real), and reports
+residency the same way. With `manual=True` a step runs only when the test calls
+`advance()`, so a reply can be held mid-stream without sleeps.
+
+`CharRenderer` renders a message as `<role>content` + END + newline, one token
+per character (id = ord). Its continuation is exactly what a full render would
+add, so tests can check "stored ids + continuation == full render".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from kvchat.chat.engine_port import ChatBackend, Residency
+from kvchat.engine.events import (
+    CachedTokens,
+    EngineEvent,
+    PrefillProgress,
+    RequestFinished,
+    RequestStarted,
+    TokenGenerated,
+)
+from kvchat.engine.request import FinishReason, GenerationRequest, RequestState
+from kvchat.engine.stats import EngineStats
+
+END = 3  # the stop token id of CharRenderer (rendered as nothing)
+
+
+class CharRenderer:
+    """One token per character; END closes every message."""
+
+    stop_token_ids = frozenset({END})
+
+    def __init__(self, *, rewrites_history: bool = False) -> None:
+        self.rewrites_history = rewrites_history  # True: continuation_ids returns None
+        self.full_renders = 0
+
+    @staticmethod
+    def encode(text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def _message(self, message: Mapping[str, str]) -> list[int]:
+        return [*self.encode(f"<{message['role']}>{message['content']}"), END, ord("\n")]
+
+    def prompt_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        self.full_renders += 1
+        out: list[int] = []
+        for message in messages:
+            out += self._message(message)
+        return out + self.encode("<assistant>")
+
+    def continuation_ids(
+        self,
+        history: Sequence[Mapping[str, str]],
+        new_messages: Sequence[Mapping[str, str]],
+        *,
+        reply_ended_with_stop: bool,
+    ) -> list[int] | None:
+        if self.rewrites_history:
+            return None
+        out = [] if reply_ended_with_stop else [END]
+        out.append(ord("\n"))
+        for message in new_messages:
+            out += self._message(message)
+        return out + self.encode("<assistant>")
+
+
+def default_reply(request: GenerationRequest, tokens: int) -> str:
+    """Deterministic text from the prompt alone (same prompt, same reply)."""
+    seed = sum(request.prompt_ids) % 997
+    return f"r{len(request.prompt_ids)}-{seed} ".ljust(tokens, "x")[:tokens]
+
+
+@dataclass
+class _Live:
+    request_id: int
+    request: GenerationRequest
+    on_event: Callable[[EngineEvent], None]
+    text: str
+    started: bool = False
+    generated: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    cached: int = 0
+    submit_time: float = 0.0
+    first_token_time: float | None = None
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class FakeEngine:
+    """An `EnginePort` with a thread and a deterministic schedule; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        tokens_per_reply: int = 8,
+        context_length: int = 4096,
+        fingerprint: str = "fake-model",
+        manual: bool = False,
+        reply_text: Callable[[GenerationRequest], str] | None = None,
+        fail_submit: bool = False,
+        error_after_tokens: int | None = None,
+        error_from_request: int = 1,
+        stall_after: Callable[[GenerationRequest], int | None] | None = None,
+    ) -> None:
+        self.tokens_per_reply = tokens_per_reply
+        self._context_length = context_length
+        self._fingerprint = fingerprint
+        self.manual = manual
+        self.reply_text = reply_text
+        self.fail_submit = fail_submit
+        self.error_after_tokens = error_after_tokens  # requests from error_from_request fail
+        self.error_from_request = error_from_request
+        self.stall_after = stall_after  # tokens after which a request waits for its cancel
+        self.submitted: list[GenerationRequest] = []
+        self.prefetched: list[tuple[int, ...]] = []
+        self.cancelled_ids: list[int] = []
+        self._seen: list[tuple[int, ...]] = []
+        self._live: list[_Live] = []
+        self._next_id = 1
+        self._cond = threading.Condition()
+        self._steps = threading.Semaphore(0)
+        self._running = True
+        self._totals = {"prompt": 0, "cached": 0, "prefilled": 0, "generated": 0}
+        self._thread = threading.Thread(target=self._loop, name="fake-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ EnginePort
+
+    @property
+    def model_fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def context_length(self) -> int:
+        return self._context_length
+
+    def submit(self, request: GenerationRequest, on_event: Callable[[EngineEvent], None]) -> int:
+        if self.fail_submit:
+            raise RuntimeError("fake engine: submit failed")
+        with self._cond:
+            request_id = self._next_id
+            self._next_id += 1
+            text = (
+                self.reply_text(request)
+                if self.reply_text
+                else default_reply(request, self.tokens_per_reply)
+            )
+            self.submitted.append(request)
+            self._live.append(
+                _Live(request_id, request, on_event, text, submit_time=time.monotonic())
+            )
+            self._cond.notify_all()
+        return request_id
+
+    def cancel(self, request_id: int) -> None:
+        with self._cond:
+            self.cancelled_ids.append(request_id)
+            for live in self._live:
+                if live.request_id == request_id:
+                    live.cancelled = True
+            self._cond.notify_all()
+
+    def prefetch(self, token_ids: Sequence[int]) -> None:
+        with self._cond:
+            self.prefetched.append(tuple(token_ids))
+
+    def residency(self, token_ids: Sequence[int]) -> Residency:
+        with self._cond:
+            device = max((_common_prefix(token_ids, s) for s in self._seen), default=0)
+        return Residency(device=device, host=0, nowhere=len(token_ids) - device)
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            states: dict[str, int] = {}
+            for live in self._live:
+                state = RequestState.DECODING if live.started else RequestState.QUEUED
+                states[str(state)] = states.get(str(state), 0) + 1
+            t = dict(self._totals)
+        return EngineStats(
+            prompt_tokens=t["prompt"],
+            cached_tokens=CachedTokens(device=t["cached"]),
+            prefilled_tokens=t["prefilled"],
+            generated_tokens=t["generated"],
+            requests=states,
+            page_size=16,
+            time=time.monotonic(),
+        )
+
+    # ----------------------------------------------------------- test helpers
+
+    def advance(self, steps: int = 1) -> None:
+        """Manual mode: let `steps` more engine steps run."""
+        for _ in range(steps):
+            self._steps.release()
+
+    def wait_until_idle(self, timeout: float = 10.0) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._live, timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            self._running = False
+            self._cond.notify_all()
+        self._steps.release()
+        self._thread.join(5)
+
+    # ------------------------------------------------------------------ loop
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: any(self._runnable(x) for x in self._live) or not self._running
+                )
+                if not self._running:
+                    return
+            if self.manual:
+                self._steps.acquire()
+                if not self._running:
+                    return
+            self._step()
+
+    def _runnable(self, live: _Live) -> bool:
+        if live.cancelled or not live.started or self.stall_after is None:
+            return True
+        limit = self.stall_after(live.request)
+        return limit is None or len(live.generated) < limit
+
+    def _step(self) -> None:
+        emit: list[tuple[Callable[[EngineEvent], None], EngineEvent]] = []
+        with self._cond:
+            for live in list(self._live):
+                if self._runnable(live):
+                    emit += self._advance_one(live)
+            self._cond.notify_all()
+        for on_event, event in emit:
+            on_event(event)
+
+    def _advance_one(self, live: _Live) -> list[tuple[Callable[[EngineEvent], None], EngineEvent]]:
+        now = time.monotonic()
+        out: list[tuple[Callable[[EngineEvent], None], EngineEvent]] = []
+        request = live.request
+        if not live.started:
+            live.started = True
+            prompt = request.prompt_ids
+            live.cached = max((_common_prefix(prompt, s) for s in self._seen), default=0)
+            live.cached = min(live.cached, len(prompt) - 1) if prompt else 0
+            self._seen.append(tuple(prompt))
+            out.append((live.on_event, RequestStarted(live.request_id, now)))
+            out.append(
+                (live.on_event, PrefillProgress(live.request_id, len(prompt), len(prompt), now))
+            )
+        if live.cancelled:
+            return [*out, self._finish(live, FinishReason.CANCELLED, now)]
+        if (
+            self.error_after_tokens is not None
+            and live.request_id >= self.error_from_request
+            and len(live.generated) >= self.error_after_tokens
+        ):
+            return [*out, self._finish(live, FinishReason.ERROR, now, "fake engine failure")]
+        i = len(live.generated)
+        room = self._context_length - len(request.prompt_ids)
+        if i >= request.max_tokens or i >= room:
+            return [*out, self._finish(live, FinishReason.LENGTH, now)]
+        if i >= len(live.text) and not request.ignore_eos:
+            live.generated.append(END)
+            return [*out, self._finish(live, FinishReason.STOP, now)]
+        char = live.text[i % len(live.text)] if live.text else "x"
+        live.generated.append(ord(char))
+        live.first_token_time = live.first_token_time or now
+        out.append((live.on_event, TokenGenerated(live.request_id, char, (ord(char),), now)))
+        return out
+
+    def _finish(
+        self, live: _Live, reason: FinishReason, now: float, error: str | None = None
+    ) -> tuple[Callable[[EngineEvent], None], EngineEvent]:
+        self._live.remove(live)
+        prompt = live.request.prompt_ids
+        self._seen.append(tuple(prompt) + tuple(live.generated))
+        self._totals["prompt"] += len(prompt)
+        self._totals["cached"] += live.cached
+        self._totals["prefilled"] += len(prompt) - live.cached
+        self._totals["generated"] += len(live.generated)
+        text = "".join(chr(t) for t in live.generated if t != END)
+        ttft = None if live.first_token_time is None else live.first_token_time - live.submit_time
+        event = RequestFinished(
+            request_id=live.request_id,
+            reason=reason,
+            prompt_tokens=len(prompt),
+            cached_tokens=CachedTokens(device=live.cached),
+            prefilled_tokens=len(prompt) - live.cached,
+            recomputed_tokens=0,
+            generated_ids=tuple(live.generated),
+            text=text,
+            ttft_s=ttft,
+            decode_tok_s=100.0 if live.generated else None,
+            time=now,
+            error=error,
+        )
+        return (live.on_event, event)
+
+
+def fake_backend(**engine_kwargs: object) -> ChatBackend:
+    """A `ChatBackend` over a fresh `FakeEngine` and `CharRenderer`."""
+    renderer = CharRenderer()
+    return ChatBackend(
+        engine=FakeEngine(**engine_kwargs),  # type: ignore[arg-type]
+        renderer=renderer,
+        stop_token_ids=renderer.stop_token_ids,
+    )

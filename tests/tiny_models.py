@@ -1,0 +1,66 @@
+"""Tiny random-weight models written as real Hugging Face folders (safetensors + tokenizer).
+
+The mechanics tests run on these: a few layers, a vocabulary of a few hundred
+tokens, random weights from a fixed seed. Real text needs the real default model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_SHAPES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)
+
+
+def write_tiny_model(
+    folder: Path,
+    family: str = "llama",
+    *,
+    vocab_size: int = 512,
+    seed: int = 0,
+    with_tokenizer: bool = True,
+    **overrides,
+) -> Path:
+    """Write a tiny random model of `family` ("llama", "llama3", "qwen2") into `folder`."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    shapes = {**TINY_SHAPES, "vocab_size": vocab_size, **overrides}
+    if family == "qwen2":
+        config = Qwen2Config(**shapes, tie_word_embeddings=True, rope_theta=1_000_000.0)
+        model = Qwen2ForCausalLM(config)
+    elif family == "llama3":
+        config = LlamaConfig(
+            **shapes,
+            rope_theta=500_000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+        )
+        model = LlamaForCausalLM(config)
+    else:
+        config = LlamaConfig(**shapes, tie_word_embeddings=False)
+        model = LlamaForCausalLM(config)
+    # Random init gives near-uniform logits; scale weights up so tokens differ clearly.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(folder, safe_serialization=True)
+    if with_tokenizer:
+        from tests.tiny_tokenizers import write_tiny_tokenizer
+
+        write_tiny_tokenizer(folder, "llama3" if family == "llama3" else "chatml")
+    return folder
