@@ -64,6 +64,7 @@ class CharRenderer:
         new_messages: Sequence[Mapping[str, str]],
         *,
         reply_ended_with_stop: bool,
+        stop_token_id: int | None = None,
     ) -> list[int] | None:
         if self.rewrites_history:
             return None
@@ -85,7 +86,7 @@ class _Live:
     request_id: int
     request: GenerationRequest
     on_event: Callable[[EngineEvent], None]
-    text: str
+    plan: list[int]  # the reply's ids (before the stop token)
     started: bool = False
     generated: list[int] = field(default_factory=list)
     cancelled: bool = False
@@ -117,6 +118,9 @@ class FakeEngine:
         error_after_tokens: int | None = None,
         error_from_request: int = 1,
         stall_after: Callable[[GenerationRequest], int | None] | None = None,
+        encode: Callable[[str], Sequence[int]] | None = None,
+        decode: Callable[[Sequence[int]], str] | None = None,
+        stop_token_id: int = END,
     ) -> None:
         self.tokens_per_reply = tokens_per_reply
         self._context_length = context_length
@@ -127,6 +131,10 @@ class FakeEngine:
         self.error_after_tokens = error_after_tokens  # requests from error_from_request fail
         self.error_from_request = error_from_request
         self.stall_after = stall_after  # tokens after which a request waits for its cancel
+        # a real tokenizer's encode/decode make the replies real ids (default: one char a token)
+        self.encode = encode or (lambda text: [ord(c) for c in text])
+        self.decode = decode or (lambda ids: "".join(chr(i) for i in ids))
+        self.stop_token_id = stop_token_id
         self.submitted: list[GenerationRequest] = []
         self.prefetched: list[tuple[int, ...]] = []
         self.cancelled_ids: list[int] = []
@@ -162,8 +170,9 @@ class FakeEngine:
                 else default_reply(request, self.tokens_per_reply)
             )
             self.submitted.append(request)
+            plan = list(self.encode(text)) or [ord("x")]
             self._live.append(
-                _Live(request_id, request, on_event, text, submit_time=time.monotonic())
+                _Live(request_id, request, on_event, plan, submit_time=time.monotonic())
             )
             self._cond.notify_all()
         return request_id
@@ -278,13 +287,14 @@ class FakeEngine:
         room = self._context_length - len(request.prompt_ids)
         if i >= request.max_tokens or i >= room:
             return [*out, self._finish(live, FinishReason.LENGTH, now)]
-        if i >= len(live.text) and not request.ignore_eos:
-            live.generated.append(END)
+        if i >= len(live.plan) and not request.ignore_eos:
+            live.generated.append(self.stop_token_id)
             return [*out, self._finish(live, FinishReason.STOP, now)]
-        char = live.text[i % len(live.text)] if live.text else "x"
-        live.generated.append(ord(char))
+        token = live.plan[i % len(live.plan)]
+        live.generated.append(token)
         live.first_token_time = live.first_token_time or now
-        out.append((live.on_event, TokenGenerated(live.request_id, char, (ord(char),), now)))
+        text = self.decode([token])
+        out.append((live.on_event, TokenGenerated(live.request_id, text, (token,), now)))
         return out
 
     def _finish(
@@ -297,7 +307,7 @@ class FakeEngine:
         self._totals["cached"] += live.cached
         self._totals["prefilled"] += len(prompt) - live.cached
         self._totals["generated"] += len(live.generated)
-        text = "".join(chr(t) for t in live.generated if t != END)
+        text = self.decode([t for t in live.generated if t != self.stop_token_id])
         ttft = None if live.first_token_time is None else live.first_token_time - live.submit_time
         event = RequestFinished(
             request_id=live.request_id,

@@ -13,7 +13,7 @@ import pytest
 
 from kvchat.engine.host_tier import HostTier
 from kvchat.engine.page_hash import page_hash, root_salt
-from kvchat.engine.page_table import PageTable, Reservation
+from kvchat.engine.page_table import PageTable, Reservation, Residency
 
 PS = 4
 SALT = root_salt("test-model", "float32", "fp")
@@ -76,9 +76,7 @@ def assert_data(table: PageTable, mover: FakeMover, seq_id: int, tokens: Sequenc
         assert got == tuple(tokens[: pos + 1]), f"position {pos} of sequence {seq_id}: {got}"
 
 
-def run_turn(
-    table: PageTable, mover: FakeMover, seq_id: int, tokens: Sequence[int]
-) -> Reservation:
+def run_turn(table: PageTable, mover: FakeMover, seq_id: int, tokens: Sequence[int]) -> Reservation:
     """Admit, check the cached part, compute the rest, check all, release: one chat turn."""
     res = table.reserve(seq_id, tokens, count_as="prompt")
     assert res is not None
@@ -174,79 +172,72 @@ def test_without_host_tier_evicted_pages_are_dropped_tail_first() -> None:
     a = list(range(100, 120))
     run_turn(table, mover, 1, a)
     run_turn(table, mover, 2, list(range(200, 208)))
-    assert table.residency(a) == (12, 0, 8) or tuple(vars(table.residency(a)).values()) == (
-        12,
-        0,
-        8,
-    )
+    assert table.residency(a) == Residency(device=12, host=0, nowhere=8)
     assert table.stats().device_dropped == 2
     res = run_turn(table, mover, 3, [*a, 1])
     assert res.cached_device == 12 and res.cached_host == 0
 
 
-def test_orphans_are_evicted_before_whole_trees() -> None:
-    table, mover = make(4, host_slots=1)
-    a = list(range(100, 112))  # 3 full pages: needs 4 pages, fills the pool
-    run_turn(table, mover, 1, a)
-    b = list(range(200, 204))  # needs 2 pages: evicts a's pages 3 then 2 (tail first)
-    run_turn(table, mover, 2, b)
-    # the host holds one slot: a's page 2 went there and a's page 3 was dropped
-    # on the way; now push a's page 1 out so that the host drops page 2 ...
-    a_pages = [table.page_info(p) for p in range(4) if table.page_info(p).tokens[:1] == (100,)]
-    assert len(a_pages) == 1
-    c = list(range(300, 304))
-    run_turn(table, mover, 3, c)
-    # ... whatever the sequence, a cached page whose parent is in neither tier must go
-    # before any intact tree: build that situation directly and check the victim
-    table2, mover2 = make(4, host_slots=1)
-    x = list(range(10, 18))  # 2 full pages + 1 slot: pages p0, p1 (+1 empty)
-    run_turn(table2, mover2, 1, x)
-    run_turn(table2, mover2, 2, list(range(30, 33)))  # a small tree, used after x
-    # make x's first page leave both tiers: evict it to the 1-slot host, then drop it
-    info = {table2.page_info(p).tokens[:1]: p for p in range(4) if table2.page_info(p).tokens}
-    x_root = info[(10,)]
-    x_child = info[(14,)]
-    table2._evict(x_root, set())  # white-box: the only way to break a chain on purpose
-    table2.host.put(b"\x00" * 16, b"\x01" * 16, (0, 0, 0, 0), 99, anchored=lambda h: True)
-    table2.host._entries.pop(b"\x00" * 16)  # the host dropped x's root to make room
-    table2.host._free.append(0)
-    assert table2.page_info(x_child).parent not in table2.host
-    # x_child is now an orphan; the small tree (30, 31, 32) is older-used? no: newer.
-    order = table2._eviction_order(set())
-    assert order[0] == x_child
-
-
-def test_orphan_goes_first_even_when_its_tree_is_the_most_recent() -> None:
-    table, mover = make(8, host_slots=2)
-    old = list(range(10, 13))  # a partial single page, used first
-    run_turn(table, mover, 1, old)
-    recent = list(range(20, 29))  # 2 full pages + 1 token, used last
-    run_turn(table, mover, 2, recent)
-    pages = {table.page_info(p).tokens[:1]: p for p in range(8) if table.page_info(p).tokens}
-    root, child = pages[(20,)], pages[(24,)]
-    # drop the recent tree's root from both tiers (white-box: only races cause this)
-    table._evict(root, set())
-    assert table.host is not None
-    table.host.remove(table.page_info(child).parent or b"")
+def test_orphans_are_evicted_before_an_older_intact_tree() -> None:
+    table, mover = make(6)
+    other_salt = root_salt("another-model", "float32", "fp")
+    old = list(range(100, 108))
+    run_turn(table, mover, 1, old)  # an intact tree, used first
+    table.rekey(other_salt)
+    stale = list(range(200, 208))
+    run_turn(table, mover, 2, stale)  # used last, but keyed by a salt about to be left
+    table.rekey(SALT)
     table.validate()
-    victims = table._eviction_order(set())
-    assert victims[0] in (child, pages[(28,)])  # the orphaned chain goes first ...
-    assert victims.index(pages[(10,)]) > victims.index(child)  # ... before the older tree
+    # stale's pages chain to a salt in neither tier: they can never match again
+    assert table.residency(stale).device == 0
+    run_turn(table, mover, 3, list(range(300, 312)))  # needs 4 pages: 2 free + 2 victims
+    assert table.residency(old).device == 8  # the older intact tree is untouched
+    assert table.stats().device_dropped == 2
 
 
-def test_trees_are_evicted_least_recently_used_root_first() -> None:
+def test_trees_are_evicted_least_recently_used_root_first_tail_first() -> None:
     table, mover = make(7)
-    a = list(range(100, 108))  # 2 full pages (+1 empty slot page, freed on release)
+    a = list(range(100, 108))  # 2 full pages (+1 empty page, freed on release)
     b = list(range(200, 208))
     c = list(range(300, 308))
     for i, t in enumerate((a, b, c)):
         run_turn(table, mover, i, t)
     run_turn(table, mover, 10, [*a, 1])  # a is used again: b is now the oldest tree
-    table.validate()
-    # needs 3 pages; one free + the two pages of the LRU tree (b), never a or c
-    run_turn(table, mover, 11, list(range(400, 408)))
-    assert table.residency(b).device == 0
-    assert table.residency(a).device == 8 and table.residency(c).device == 8
+    assert table.stats().device.free == 0
+    run_turn(table, mover, 11, list(range(400, 408)))  # needs 3 victims
+    assert table.residency(b).device == 0  # the LRU tree goes whole ...
+    assert table.residency(c).device == 4  # ... then the next one loses its tail only
+    assert table.residency([*a, 1]).device == 9  # the most recent tree is intact
+
+
+def test_host_tier_drops_orphans_first_then_lru_trees_leaf_first() -> None:
+    salt = b"s" * 16
+    host = HostTier(3)
+    r = page_hash(salt, [1, 2, 3, 4])
+    c = page_hash(r, [5, 6, 7, 8])
+    o = page_hash(b"gone" * 4, [9, 9, 9, 9])
+
+    def anchored(h: bytes) -> bool:
+        return h == salt
+
+    host.put(r, salt, (1, 2, 3, 4), 1, anchored=anchored)
+    host.put(c, r, (5, 6, 7, 8), 2, anchored=anchored)
+    host.put(o, b"gone" * 4, (9, 9, 9, 9), 3, anchored=anchored)  # newest, but an orphan
+    n1 = page_hash(salt, [4, 4, 4, 4])
+    host.put(n1, salt, (4, 4, 4, 4), 4, anchored=anchored)
+    assert o not in host and r in host and c in host
+    n2 = page_hash(salt, [5, 5, 5, 5])
+    host.put(n2, salt, (5, 5, 5, 5), 5, anchored=anchored)
+    assert c not in host and r in host  # the oldest tree loses its leaf first
+    assert host.dropped == 2
+    assert host.problems(4) == []
+    # a protected page is never dropped, and with everything protected nothing is
+    assert (
+        host.put(
+            page_hash(salt, [6] * 4), salt, (6,) * 4, 6, anchored=anchored, protect={r, n1, n2}
+        )
+        is None
+    )
 
 
 def test_residency_changes_nothing() -> None:
@@ -254,19 +245,21 @@ def test_residency_changes_nothing() -> None:
     a = list(range(100, 120))
     run_turn(table, mover, 1, a)
     run_turn(table, mover, 2, list(range(200, 208)))
-    before = (table.stats(), [table.page_info(p) for p in range(6)], sorted(
-        (h.hash, h.last_used) for h in table.host.pages()
-    ) if table.host else None, table._clock)
-    r = table.residency([*a, 5, 6])
-    assert (r.device, r.host, r.nowhere) == (12, 8, 2)
-    after = (table.stats(), [table.page_info(p) for p in range(6)], sorted(
-        (h.hash, h.last_used) for h in table.host.pages()
-    ) if table.host else None, table._clock)
-    assert before == after
-    assert mover.calls.count(("h2d", 0, 0)) == 0 or True
-    n_calls = len(mover.calls)
-    table.residency(a)
-    assert len(mover.calls) == n_calls
+    assert table.host is not None
+
+    def snapshot() -> object:
+        pages = [table.page_info(p) for p in range(6)]
+        host = sorted((h.hash, h.slot, h.last_used) for h in table.host.pages())
+        return table.stats(), pages, host, len(mover.calls)
+
+    before = snapshot()
+    assert table.residency([*a, 5, 6]) == Residency(device=12, host=8, nowhere=2)
+    assert table.residency(list(range(200, 203))) == Residency(device=3, host=0, nowhere=0)
+    assert snapshot() == before
+    # and the LRU clock did not move: the next page stamped is one tick after the last
+    last = max(i.last_used for i in before[1])
+    run_turn(table, mover, 3, [7])
+    assert max(table.page_info(p).last_used for p in range(6)) == last + 3
 
 
 def test_residency_counts_a_matching_partial_tail_as_device() -> None:
@@ -298,7 +291,8 @@ def test_reserve_that_cannot_fit_returns_none_and_changes_nothing() -> None:
     compute(table, mover, 2, live)
     before = (table.stats(), [table.page_info(p) for p in range(4)], table._clock)
     calls = len(mover.calls)
-    assert table.reserve(3, list(range(500, 516)), count_as="prompt") is None  # needs 5 pages
+    # needs 4 pages; 3 could be had (1 free + 2 cached), so eviction is weighed, then refused
+    assert table.reserve(3, list(range(500, 512)), count_as="prompt") is None
     assert (table.stats(), [table.page_info(p) for p in range(4)], table._clock) == before
     assert len(mover.calls) == calls
     assert not table.is_live(3)
@@ -306,7 +300,7 @@ def test_reserve_that_cannot_fit_returns_none_and_changes_nothing() -> None:
 
 
 def test_ensure_capacity_fails_without_change_when_the_pool_is_exhausted() -> None:
-    table, mover = make(2)
+    table, _ = make(2)
     table.reserve(1, [1, 2, 3], count_as="prompt")
     table.reserve(2, [4, 5, 6], count_as="prompt")
     assert not table.ensure_capacity(1, 9)
@@ -323,11 +317,11 @@ def test_different_salts_never_match() -> None:
     other = root_salt("test-model", "bfloat16", "fp")  # same model, other dtype
     assert other != SALT
     assert page_hash(other, tokens[:4]) != page_hash(SALT, tokens[:4])
-    table_b = PageTable(8, PS, other, None, mover)
-    assert table_b.residency(tokens).device == 0
-    # and a table whose pool holds the first salt's pages still misses for the second's
-    table.salt = other  # as if the model were swapped under the same pool
+    # the same pool rekeyed for another dtype holds the pages but never matches them
+    table.rekey(other)
     assert table.residency(tokens).device == 0
+    res = run_turn(table, mover, 2, tokens)
+    assert res.cached_tokens == 0
 
 
 def test_concurrent_identical_prefixes_keep_one_indexed_copy() -> None:
@@ -387,6 +381,38 @@ def test_defragment_lays_chains_out_contiguously_from_page_zero() -> None:
 
 
 def test_defragment_does_nothing_while_a_sequence_is_live() -> None:
-    table, mover = make(8)
+    table, _ = make(8)
     table.reserve(1, [1, 2, 3], count_as="prompt")
     assert table.defragment() == 0
+
+
+@pytest.mark.parametrize(("num_pages", "expect_moves"), [(12, True), (40, False)])
+def test_defragment_skips_when_under_a_tenth_of_pages_would_move(
+    num_pages: int, expect_moves: bool
+) -> None:
+    table, mover = make(num_pages)
+    for sid in range(5):  # occupy pages 0-4 without writing anything
+        table.reserve(sid, [sid], count_as="prompt")
+    run_turn(table, mover, 9, list(range(100, 108)))  # cached at pages 5 and 6
+    for sid in range(5):
+        table.release(sid)
+    table.validate()
+    moved = table.defragment()
+    assert (moved > 0) == expect_moves  # 2 misplaced pages: 17% of 12, 5% of 40
+    table.validate()
+    if expect_moves:
+        assert table.residency(list(range(100, 108))).device == 8
+        assert table.page_info(0).tokens == (100, 101, 102, 103)
+
+
+def test_defragment_respects_max_moves() -> None:
+    table, mover = make(12)
+    for sid in range(5):
+        table.reserve(sid, [sid], count_as="prompt")
+    run_turn(table, mover, 9, list(range(100, 108)))
+    for sid in range(5):
+        table.release(sid)
+    assert table.defragment(max_moves=1) == 1
+    table.validate()
+    assert table.page_info(0).tokens == (100, 101, 102, 103)
+    assert tuple(s[-1] for s in mover.dev[0]) == (100, 101, 102, 103)

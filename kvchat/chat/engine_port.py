@@ -73,9 +73,11 @@ class RendererPort(Protocol):
         new_messages: Sequence[Message],
         *,
         reply_ended_with_stop: bool,
+        stop_token_id: int | None = None,
     ) -> list[int] | None:
         """Ids to append to stored ids (prompt + generated) for `new_messages`.
 
+        `stop_token_id` is the token that ended the last reply, when it ended on one.
         None when the template rewrites earlier turns: the caller renders it all.
         """
         ...

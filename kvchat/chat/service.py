@@ -467,7 +467,7 @@ class SessionService:
                     del session.messages[0]
             elif text:
                 session.messages.insert(0, _message("system", text))
-            self._cut_ids(session, 0)
+            session.ids, session.ids_stale = array("I"), True  # cut at 0: render it all
             for m in session.messages:
                 m.offset = None
             self._touch_and_persist(session, session.messages, truncate_from=0)
@@ -634,6 +634,7 @@ class SessionService:
                 [m.as_chat() for m in context],
                 [new.as_chat()],
                 reply_ended_with_stop=context[-1].ended_with_stop,
+                stop_token_id=session.ids[-1] if context[-1].ended_with_stop else None,
             )
             if cont is not None:
                 plan = _Plan(list(session.ids) + list(cont), len(session.ids), False)

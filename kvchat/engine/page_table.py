@@ -135,12 +135,12 @@ class _Place:
     depth: int  # pages from the root down to this one (the salt is 0)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    if a[:n] == b[:n]:  # the usual case (a whole tail matches) in one C-level comparison
         return n
     i = 0
-    while a[i] == b[i]:
+    while a[i] == b[i]:  # stops before n: the slices differ somewhere
         i += 1
     return i
 
@@ -418,7 +418,7 @@ class PageTable:
         for p in on_device:
             self._pages[p].last_used = self._clock
         fresh = self._allocate(k, on_device, {h for h, _ in walk.chain})
-        for h, p in zip(host_only, fresh, strict=True):
+        for h, p in zip(host_only[:k], fresh, strict=True):
             self._restore(h, p, self._clock)
             self._cached.add(p)
         return k
@@ -618,13 +618,14 @@ class PageTable:
         tail_host: bytes | None = None
         best = 0
         if max_m > 0:
-            want = tokens[start : start + max_m]
+            want = list(tokens[start : start + max_m])
             for p in self._children.get(prev, ()):
                 m = _common_prefix(self._pages[p].tokens, want)
                 # the longest match wins; the lowest page number breaks ties (deterministic)
                 if m > best or (m == best > 0 and tail_src is not None and p < tail_src):
                     best, tail_src = m, p
-            if host_tail and best < max_m and capped is not None and host is not None and capped in host:
+            restorable = capped is not None and host is not None and capped in host
+            if host_tail and best < max_m and restorable:
                 best, tail_src, tail_host = max_m, None, capped
         return _Walk(chain, prev, tail_src, tail_host, best)
 

@@ -1,0 +1,71 @@
+"""`kvchat ask QUESTION`: one answer streamed to stdout, for smoke tests and shell scripts.
+
+Greedy unless `--temperature` says otherwise, like the headless mode, so the same
+question gives the same answer. Progress and cache sizes go to stderr; stdout gets
+only the answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+
+from kvchat.engine.events import RequestFinished, TokenGenerated
+from kvchat.engine.request import FinishReason, GenerationRequest, SamplingParams
+from kvchat.errors import KvchatError
+from kvchat.runtime import describe_cache, read_settings, resolve_options, start_engine
+
+
+def run_ask(args: argparse.Namespace) -> int:
+    settings = read_settings()
+    options = resolve_options(args, settings)
+    if getattr(args, "temperature", None) is None:
+        options = type(options)(**{**options.__dict__, "temperature": 0.0})
+
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    model, engine = start_engine(options, progress)
+    progress(describe_cache(engine))
+    messages = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": args.question})
+    prompt = model.renderer.prompt_ids(messages)
+    max_tokens = options.max_tokens or 512
+    if len(prompt) + 1 >= engine.context_length:
+        engine.close()
+        raise KvchatError(
+            f"The question is {len(prompt)} tokens long but the model's context holds "
+            f"{engine.context_length}; shorten it."
+        )
+    done = threading.Event()
+    result: list[RequestFinished] = []
+
+    def on_event(event) -> None:
+        if isinstance(event, TokenGenerated) and event.text:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, RequestFinished):
+            result.append(event)
+            done.set()
+
+    sampling = SamplingParams(temperature=options.temperature or 0.0, top_p=1.0, seed=options.seed)
+    request_id = engine.submit(GenerationRequest(tuple(prompt), sampling, max_tokens), on_event)
+    try:
+        while not done.wait(0.2):
+            pass
+    except KeyboardInterrupt:
+        engine.cancel(request_id)
+        done.wait(10)
+    finally:
+        engine.close()
+    sys.stdout.write("\n")
+    finished = result[0] if result else None
+    if finished is None or finished.reason == FinishReason.CANCELLED:
+        print("kvchat: generation cancelled", file=sys.stderr)
+        return 130
+    if finished.reason == FinishReason.ERROR:
+        raise KvchatError(finished.error or "generation failed")
+    return 0

@@ -1,0 +1,122 @@
+"""The `kvchat` command: argument parsing and wiring, nothing else.
+
+Every user-caused failure surfaces as a `KvchatError` and is printed as one clear
+message (exit 1; 2 for bad usage); anything unexpected is logged with its
+traceback to the error log and reported in one line that says where the log is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="PATH_OR_NAME", help="GGUF file, Hugging Face folder, or a name from `kvchat models` (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="activation dtype (default: bfloat16 where the hardware computes it natively)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--device-cache", metavar="SIZE", help="KV cache on the compute device, e.g. 512MiB, 4GiB")
+    p.add_argument("--host-cache", metavar="SIZE", help="KV cache tier in host memory (0 disables it)")
+    p.add_argument("--page-size", type=int, metavar="N", help="tokens per KV page (power of two, >= 16)")
+    p.add_argument("--seed", type=int, metavar="N")
+    p.add_argument("--temperature", type=float, metavar="X", help="0 means greedy")
+    p.add_argument("--max-tokens", type=int, metavar="N")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvchat", description="Chat with local LLMs; switching conversations never re-reads their history.")
+    sub = parser.add_subparsers(dest="command")
+    chat = sub.add_parser("chat", help="open the terminal UI (the default)")
+    _add_model_options(chat)
+    ask = sub.add_parser("ask", help="answer one question, streamed to stdout")
+    ask.add_argument("question")
+    ask.add_argument("--system", help="system prompt")
+    _add_model_options(ask)
+    run = sub.add_parser("run", help="headless scripted mode: run a JSON Lines script")
+    run.add_argument("script", help="path to the script, or - for standard input")
+    run.add_argument("--stream", action="store_true", help="also print token events")
+    run.add_argument("--save", action="store_true", help="store the sessions in the database the TUI shows")
+    _add_model_options(run)
+    bench = sub.add_parser("bench", help="measure kvchat against peers on this machine")
+    bench.add_argument("--quick", action="store_true", help="a reduced run (under 2 minutes)")
+    bench.add_argument("--workloads", default=None, help="comma-separated subset, e.g. speed,W1,W2")
+    bench.add_argument("--peers", default=None, help="comma-separated peers (default: all installed)")
+    bench.add_argument("--repeats", type=int, default=None)
+    bench.add_argument("--out", default="benchmarks/results", help="folder for the JSON, Markdown and PNG")
+    _add_model_options(bench)
+    sub.add_parser("models", help="list the models kvchat knows locally")
+    sub.add_parser("paths", help="print where kvchat keeps its files")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from kvchat.errors import KvchatError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = args.command or "chat"
+    try:
+        if command == "ask":
+            from kvchat.ask import run_ask
+
+            return run_ask(args)
+        if command == "models":
+            return _models()
+        if command == "paths":
+            from kvchat.chat.error_log import paths_report
+
+            print(paths_report())
+            return 0
+        if command == "run":
+            from kvchat.headless import main as headless_main
+
+            return headless_main(args)
+        if command == "bench":
+            from kvchat.bench.runner import main as bench_main
+
+            return bench_main(args)
+        if args.command is None:
+            args = parser.parse_args(["chat", *(argv or sys.argv[1:])])
+        from kvchat.tui.main import run_tui
+
+        return run_tui(args)
+    except KvchatError as exc:
+        print(f"kvchat: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kvchat: interrupted", file=sys.stderr)
+        return 130
+    except OSError as exc:
+        if getattr(exc, "errno", None) == 28:
+            print(f"kvchat: the disk is full ({exc}). Free some space and try again.", file=sys.stderr)
+            return 1
+        return _unexpected(exc)
+    except Exception as exc:
+        return _unexpected(exc)
+
+
+def _unexpected(exc: BaseException) -> int:
+    from kvchat.chat.error_log import log_exception
+    from kvchat.paths import app_paths
+
+    log_exception(f"unexpected error: {exc!r}")
+    print(
+        f"kvchat: unexpected error: {exc}. The details are in {app_paths().error_log}; "
+        "please include them in a bug report.",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _models() -> int:
+    from kvchat.model.registry import known_models
+
+    for m in known_models():
+        state = "" if m.available else "  (not fetched yet: it is fetched on first use)"
+        print(f"{m.name:40} {m.kind:9} {m.path}{state}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

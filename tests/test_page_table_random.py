@@ -1,0 +1,204 @@
+"""Randomized operation sequences against the page table, checking invariants after each step.
+
+Tiny pools (page size 4, 4-16 device pages, 0-8 host slots) and a three-token
+alphabet make prefixes collide, pages evict and chains break all the time. After
+every step `validate()` must hold, and the fake K/V store must agree with the
+table: every live sequence's pages hold exactly its token prefixes, and every
+cached device page and host slot holds the prefixes its hash names. That proves
+the data followed the pages through evictions, restores, tail copies and moves.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    multiple,
+    rule,
+)
+
+from kvchat.engine.host_tier import HostTier
+from kvchat.engine.page_hash import page_hash
+from kvchat.engine.page_table import PageTable
+from tests.test_page_table import PS, SALT, FakeMover, assert_data
+
+MONOTONIC = (
+    "device_to_host",
+    "host_dropped",
+    "device_dropped",
+    "prompt_tokens",
+    "cached_device",
+    "cached_host",
+    "prefilled_tokens",
+    "recomputed_tokens",
+)
+TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=14)
+
+
+def chain_hash(tokens: tuple[int, ...]) -> bytes:
+    """The hash naming the pages that hold `tokens` (a whole number of pages)."""
+    h = SALT
+    for i in range(0, len(tokens), PS):
+        h = page_hash(h, tokens[i : i + PS])
+    return h
+
+
+class PageTableMachine(RuleBasedStateMachine):
+    live = Bundle("live")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.next_id = 0
+        self.tokens: dict[int, list[int]] = {}  # live sequence -> every token it will hold
+        self.histories: list[list[int]] = [[0, 1, 2, 0, 1]]  # released conversations
+        self.counters = [0] * len(MONOTONIC)
+
+    @initialize(num_pages=st.integers(4, 16), host_slots=st.none() | st.integers(0, 8))
+    def setup(self, num_pages: int, host_slots: int | None) -> None:
+        self.mover = FakeMover(num_pages, host_slots or 0)
+        host = None if host_slots is None else HostTier(host_slots)
+        self.table = PageTable(num_pages, PS, SALT, host, self.mover)
+
+    def _compute(self, sid: int, upto: int) -> None:
+        """Write and commit K/V for the sequence's tokens up to `upto` (as the engine does)."""
+        start = self.table.num_tokens(sid)
+        pages = self.table.pages(sid)
+        toks = self.tokens[sid]
+        for pos in range(start, upto):
+            self.mover.dev[pages[pos // PS]][pos % PS] = tuple(toks[: pos + 1])
+        self.table.commit(sid, toks[start:upto])
+
+    def _admit(self, toks: list[int], count_as: str, chunk: int) -> int | None:
+        sid = self.next_id
+        self.next_id += 1
+        before = self.table.stats()
+        res = self.table.reserve(sid, toks, count_as=count_as)  # type: ignore[arg-type]
+        if res is None:
+            assert self.table.stats() == before
+            return None
+        n = len(toks)
+        assert res.to_compute_from == res.cached_device + res.cached_host <= n - 1
+        assert res.reused_tail <= res.cached_device
+        assert len(res.pages) * PS >= n + 1 and len(set(res.pages)) == len(res.pages)
+        self.tokens[sid] = list(toks)
+        assert_data(self.table, self.mover, sid, toks)  # the cached part is already right
+        self._compute(sid, min(n, res.to_compute_from + chunk))  # a first prefill chunk
+        return sid
+
+    @rule(target=live, new=TOKENS, base=st.integers(0, 50), chunk=st.integers(1, 14))
+    def new_turn(self, new: list[int], base: int, chunk: int) -> object:
+        """A new turn: a previous conversation's tokens (or nothing) plus new ones."""
+        history = self.histories[base % len(self.histories)][:24] if base % 3 else []
+        sid = self._admit(history + new, "prompt", chunk)
+        return multiple() if sid is None else sid
+
+    @rule(target=live, pick=st.integers(0, 50), new=TOKENS, chunk=st.integers(1, 14))
+    def switch_back(self, pick: int, new: list[int], chunk: int) -> object:
+        """Return to a conversation that was pushed out to the host tier, if there is one."""
+        pushed = [h for h in self.histories if self.table.residency(h[:24]).host]
+        history = (pushed or self.histories)[pick % len(pushed or self.histories)][:24]
+        sid = self._admit(history + new[:2], "prompt", chunk)
+        return multiple() if sid is None else sid
+
+    @rule(sid=live, chunk=st.integers(1, 14))
+    def prefill(self, sid: int, chunk: int) -> None:
+        n = self.table.num_tokens(sid)
+        self._compute(sid, min(len(self.tokens[sid]), n + chunk))
+
+    @rule(sid=live, token=st.integers(0, 2))
+    def decode(self, sid: int, token: int) -> None:
+        toks = self.tokens[sid]
+        if self.table.num_tokens(sid) < len(toks):
+            self._compute(sid, len(toks))  # finish the prompt first
+        if self.table.ensure_capacity(sid, len(toks) + 1):
+            toks.append(token)
+            self._compute(sid, len(toks))
+        else:
+            assert len(self.table.pages(sid)) * PS < len(toks) + 1
+
+    @rule(sid=consumes(live))
+    def release(self, sid: int) -> None:
+        written = self.tokens.pop(sid)[: self.table.num_tokens(sid)]
+        self.table.release(sid)
+        if written:
+            self.histories.append(written)
+
+    @rule(target=live, sid=consumes(live), chunk=st.integers(1, 14))
+    def preempt_and_readmit(self, sid: int, chunk: int) -> object:
+        toks = self.tokens.pop(sid)[: max(1, self.table.num_tokens(sid))]
+        self.table.release(sid)
+        new = self._admit(toks, "recompute", chunk)
+        return multiple() if new is None else new
+
+    @rule(pick=st.integers(0, 50), extra=st.lists(st.integers(0, 2), max_size=5))
+    def residency_changes_nothing(self, pick: int, extra: list[int]) -> None:
+        toks = self.histories[pick % len(self.histories)] + extra
+        before = self._snapshot()
+        r = self.table.residency(toks)
+        assert r.device + r.host + r.nowhere == len(toks)
+        assert min(r.device, r.host, r.nowhere) >= 0
+        assert self._snapshot() == before
+
+    @rule(pick=st.integers(0, 50))
+    def prefetch(self, pick: int) -> None:
+        pushed = [h for h in self.histories if self.table.residency(h).host]
+        toks = (pushed or self.histories)[pick % len(pushed or self.histories)]
+        host_before = self.table.residency(toks).host
+        restored = self.table.prefetch(toks)
+        assert 0 <= restored * PS <= host_before
+
+    @rule(max_moves=st.none() | st.integers(1, 4))
+    def defragment(self, max_moves: int | None) -> None:
+        moved = self.table.defragment(max_moves)
+        if self.tokens:
+            assert moved == 0
+        if max_moves is not None:
+            assert moved <= max_moves
+
+    def _snapshot(self) -> object:
+        t = self.table
+        host = sorted((p.hash, p.slot, p.last_used) for p in t.host.pages()) if t.host else None
+        pages = [t.page_info(p) for p in range(t.num_pages)]
+        return t.stats(), pages, host, len(self.mover.calls), t._clock
+
+    @invariant()
+    def table_is_sound_and_data_followed_pages(self) -> None:
+        if not hasattr(self, "table"):
+            return
+        t = self.table
+        t.validate()
+        for sid, toks in self.tokens.items():
+            assert_data(t, self.mover, sid, toks)
+        for p in range(t.num_pages):  # every page with content holds what its chain names
+            info = t.page_info(p)
+            if not info.tokens:
+                continue
+            for j, tok in enumerate(info.tokens):
+                prefix = self.mover.dev[p][j]
+                assert prefix is not None and prefix[-1] == tok, f"page {p} slot {j}: {prefix}"
+                assert chain_hash(prefix[: len(prefix) - j - 1]) == info.parent
+        if t.host is not None:
+            for hp in t.host.pages():
+                slot = self.mover.host[hp.slot]
+                assert tuple(s[-1] for s in slot if s) == hp.tokens
+                assert chain_hash(slot[-1] or ()) == hp.hash
+        s = t.stats()
+        assert s.prompt_tokens == s.cached_tokens + s.prefilled_tokens
+        counters = [getattr(s, f) for f in MONOTONIC]
+        assert all(a >= b for a, b in zip(counters, self.counters, strict=True)), "counter fell"
+        self.counters = counters
+        assert s.device.active + s.device.cached + s.device.free == s.device.capacity
+
+
+PageTableMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_page_table_random = PageTableMachine.TestCase
