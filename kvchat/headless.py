@@ -222,3 +222,33 @@ class _Runner:
             service.focus(self.ids[op.session])
         elif isinstance(op, StatsOp):
             self.out.emit({"event": "stats", **service.engine.stats().to_json()})
+
+
+def main(args) -> int:
+    """`kvchat run SCRIPT`: the command line's options, then `run_script`."""
+    from kvchat.engine.request import SamplingParams as _Sampling
+    from kvchat.runtime import read_settings, resolve_options, start_engine
+
+    options = resolve_options(args, read_settings())
+    engines: list = []
+
+    def services() -> ChatBackend:
+        model, engine = start_engine(options, progress=lambda m: print(m, file=sys.stderr))
+        engines.append(engine)
+        return ChatBackend(engine, model.renderer, frozenset(model.tokenizer.stop_token_ids))
+
+    # Greedy unless the command line says otherwise (the settings' chat temperature is for the TUI).
+    temperature = args.temperature if args.temperature is not None else 0.0
+    sampling = _Sampling(temperature=temperature, top_p=1.0, seed=options.seed)
+    try:
+        return run_script(
+            args.script,
+            stream=args.stream,
+            save=args.save,
+            services=services,
+            sampling=sampling,
+            max_tokens=args.max_tokens or 512,
+        )
+    finally:
+        for engine in engines:
+            engine.close()

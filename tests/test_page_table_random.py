@@ -12,15 +12,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    Bundle,
-    RuleBasedStateMachine,
-    consumes,
-    initialize,
-    invariant,
-    multiple,
-    rule,
-)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvchat.engine.host_tier import HostTier
 from kvchat.engine.page_hash import page_hash
@@ -48,9 +40,11 @@ def chain_hash(tokens: tuple[int, ...]) -> bytes:
     return h
 
 
-class PageTableMachine(RuleBasedStateMachine):
-    live = Bundle("live")
+def has_live(m: PageTableMachine) -> bool:
+    return bool(m.tokens)
 
+
+class PageTableMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.next_id = 0
@@ -73,6 +67,9 @@ class PageTableMachine(RuleBasedStateMachine):
             self.mover.dev[pages[pos // PS]][pos % PS] = tuple(toks[: pos + 1])
         self.table.commit(sid, toks[start:upto])
 
+    def _pick(self, pick: int) -> int:
+        return sorted(self.tokens)[pick % len(self.tokens)]
+
     def _admit(self, toks: list[int], count_as: str, chunk: int) -> int | None:
         sid = self.next_id
         self.next_id += 1
@@ -90,28 +87,30 @@ class PageTableMachine(RuleBasedStateMachine):
         self._compute(sid, min(n, res.to_compute_from + chunk))  # a first prefill chunk
         return sid
 
-    @rule(target=live, new=TOKENS, base=st.integers(0, 50), chunk=st.integers(1, 14))
-    def new_turn(self, new: list[int], base: int, chunk: int) -> object:
+    @rule(new=TOKENS, base=st.integers(0, 50), chunk=st.integers(1, 14))
+    def new_turn(self, new: list[int], base: int, chunk: int) -> None:
         """A new turn: a previous conversation's tokens (or nothing) plus new ones."""
         history = self.histories[base % len(self.histories)][:24] if base % 3 else []
-        sid = self._admit(history + new, "prompt", chunk)
-        return multiple() if sid is None else sid
+        self._admit(history + new, "prompt", chunk)
 
-    @rule(target=live, pick=st.integers(0, 50), new=TOKENS, chunk=st.integers(1, 14))
-    def switch_back(self, pick: int, new: list[int], chunk: int) -> object:
+    @rule(pick=st.integers(0, 50), new=TOKENS, chunk=st.integers(1, 14))
+    def switch_back(self, pick: int, new: list[int], chunk: int) -> None:
         """Return to a conversation that was pushed out to the host tier, if there is one."""
         pushed = [h for h in self.histories if self.table.residency(h[:24]).host]
         history = (pushed or self.histories)[pick % len(pushed or self.histories)][:24]
-        sid = self._admit(history + new[:2], "prompt", chunk)
-        return multiple() if sid is None else sid
+        self._admit(history + new[:2], "prompt", chunk)
 
-    @rule(sid=live, chunk=st.integers(1, 14))
-    def prefill(self, sid: int, chunk: int) -> None:
+    @precondition(has_live)
+    @rule(pick=st.integers(0, 50), chunk=st.integers(1, 14))
+    def prefill(self, pick: int, chunk: int) -> None:
+        sid = self._pick(pick)
         n = self.table.num_tokens(sid)
         self._compute(sid, min(len(self.tokens[sid]), n + chunk))
 
-    @rule(sid=live, token=st.integers(0, 2))
-    def decode(self, sid: int, token: int) -> None:
+    @precondition(has_live)
+    @rule(pick=st.integers(0, 50), token=st.integers(0, 2))
+    def decode(self, pick: int, token: int) -> None:
+        sid = self._pick(pick)
         toks = self.tokens[sid]
         if self.table.num_tokens(sid) < len(toks):
             self._compute(sid, len(toks))  # finish the prompt first
@@ -121,19 +120,32 @@ class PageTableMachine(RuleBasedStateMachine):
         else:
             assert len(self.table.pages(sid)) * PS < len(toks) + 1
 
-    @rule(sid=consumes(live))
-    def release(self, sid: int) -> None:
+    @precondition(has_live)
+    @rule(pick=st.integers(0, 50))
+    def release(self, pick: int) -> None:
+        self._release(self._pick(pick))
+
+    @rule(max_moves=st.none() | st.integers(1, 4))
+    def go_idle_and_defragment(self, max_moves: int | None) -> None:
+        """Every conversation ends; the engine defragments while idle."""
+        for sid in sorted(self.tokens):
+            self._release(sid)
+        moved = self.table.defragment(max_moves)
+        assert moved <= (max_moves if max_moves is not None else 2 * self.table.num_pages)
+
+    def _release(self, sid: int) -> None:
         written = self.tokens.pop(sid)[: self.table.num_tokens(sid)]
         self.table.release(sid)
         if written:
             self.histories.append(written)
 
-    @rule(target=live, sid=consumes(live), chunk=st.integers(1, 14))
-    def preempt_and_readmit(self, sid: int, chunk: int) -> object:
+    @precondition(has_live)
+    @rule(pick=st.integers(0, 50), chunk=st.integers(1, 14))
+    def preempt_and_readmit(self, pick: int, chunk: int) -> None:
+        sid = self._pick(pick)
         toks = self.tokens.pop(sid)[: max(1, self.table.num_tokens(sid))]
         self.table.release(sid)
-        new = self._admit(toks, "recompute", chunk)
-        return multiple() if new is None else new
+        self._admit(toks, "recompute", chunk)
 
     @rule(pick=st.integers(0, 50), extra=st.lists(st.integers(0, 2), max_size=5))
     def residency_changes_nothing(self, pick: int, extra: list[int]) -> None:
