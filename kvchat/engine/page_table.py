@@ -852,7 +852,7 @@ class PageTable:
 
     def _move(self, src: int, dst: int, free: set[int]) -> None:
         """Move a cached page's K/V and bookkeeping from `src` to the free page `dst`."""
-        pass
+        self._mover.move_page(src, dst)
         page = self._pages[src]
         self._pages[dst] = page
         self._pages[src] = _Page(src)

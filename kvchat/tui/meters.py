@@ -1,0 +1,125 @@
+"""The meters panel: what the KV cache is doing, from `EngineStats` snapshots (DESIGN.md metrics).
+
+Why from snapshots at most 4 times a second: `stats()` is an immutable snapshot
+that is cheap to take, and counters only grow, so rates (evictions per second)
+come from the difference of two snapshots; the UI never asks the engine thread
+for anything that could wait on a step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.content import Content
+from textual.widgets import Label, Sparkline, Static
+
+from kvchat.chat.session import SessionView
+from kvchat.engine.stats import EngineStats, TierPages
+
+BAR_WIDTH = 18
+SPARK_POINTS = 40
+
+
+def tier_bar(pages: TierPages | None, width: int = BAR_WIDTH) -> Content:
+    """active (█) / cached (▓) / free (░) pages, proportional to the tier's capacity."""
+    if pages is None or pages.capacity == 0:
+        return Content.from_markup("[$text-muted]" + "·" * width + " off")
+    cap = pages.capacity
+    active = min(width, round(width * pages.active / cap))
+    if pages.active and not active:
+        active = 1
+    cached = min(width - active, round(width * pages.cached / cap))
+    if pages.cached and not cached and active < width:
+        cached = 1
+    free = width - active - cached
+    return Content.from_markup(
+        f"[$accent]{'█' * active}[/][$primary]{'▓' * cached}[/][$text-muted]{'░' * free}[/]"
+    )
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{value:.0%}"
+
+
+def _rate(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f}"
+
+
+class Meters(Vertical):
+    """Hit rate, pages per tier, evictions, TTFT, decode speed."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.border_title = "Cache"
+        self.previous: EngineStats | None = None
+        self.eviction_rates: deque[float] = deque([0.0] * SPARK_POINTS, maxlen=SPARK_POINTS)
+        self.values: dict[str, str] = {}  # label -> the text shown (tests read it)
+
+    def compose(self) -> ComposeResult:
+        yield Label("Hit rate", classes="meter-label")
+        yield Static(id="meter-hit-rate", classes="meter-value")
+        yield Label("Pages  active▕cached▕free", classes="meter-label")
+        yield Static(id="meter-pages", classes="meter-value")
+        yield Label("Evictions", classes="meter-label")
+        yield Static(id="meter-evictions", classes="meter-value")
+        yield Sparkline(list(self.eviction_rates), id="meter-eviction-rate")
+        yield Label("TTFT (last turn)", classes="meter-label")
+        yield Static(id="meter-ttft", classes="meter-value")
+        yield Label("Decode tok/s", classes="meter-label")
+        yield Static(id="meter-decode", classes="meter-value")
+        yield Static(id="meter-cache", classes="meter-note")
+
+    def _set(self, name: str, content: Content | str) -> None:
+        self.values[name] = content.plain if isinstance(content, Content) else content
+        self.query_one(f"#meter-{name}", Static).update(content)
+
+    def update_meters(
+        self,
+        stats: EngineStats,
+        view: SessionView | None,
+        session_rate: float | None,
+    ) -> None:
+        last = view.last_turn if view is not None else None
+        last_hit = last.hit_rate if last is not None and last.prompt_tokens else None
+        overall = stats.hit_rate if stats.prompt_tokens else None
+        self._set("hit-rate", f"last turn {_pct(last_hit)}   overall {_pct(overall)}")
+
+        lines = []
+        for tier in ("device", "host"):
+            pages = stats.pages.get(tier)
+            counts = (
+                f" {pages.active}/{pages.cached}/{pages.free}"
+                if pages is not None and pages.capacity
+                else ""
+            )
+            lines.append(Content.assemble(f"{tier:<6} ", tier_bar(pages), counts))
+        self._set("pages", Content("\n").join(lines))
+
+        ev = stats.evictions
+        total = ev.device_to_host + ev.host_dropped + ev.device_dropped
+        rate = 0.0
+        if self.previous is not None and stats.time > self.previous.time:
+            p = self.previous.evictions
+            before = p.device_to_host + p.host_dropped + p.device_dropped
+            rate = max(0.0, (total - before) / (stats.time - self.previous.time))
+        if self.previous is None or stats.time != self.previous.time:
+            self.eviction_rates.append(rate)
+            self.query_one(Sparkline).data = list(self.eviction_rates)
+        self.previous = stats
+        self._set(
+            "evictions",
+            f"{total:,} ({ev.device_to_host:,} to host, "
+            f"{ev.host_dropped + ev.device_dropped:,} dropped)  {rate:.1f}/s",
+        )
+
+        ttft = last.ttft_s if last is not None else None
+        self._set("ttft", "—" if ttft is None else f"{ttft * 1000:,.0f} ms")
+        this = session_rate
+        if this is None and view is not None and view.state == "idle" and last is not None:
+            this = last.decode_tok_s
+        self._set("decode", f"all {_rate(stats.decode_tok_s)}   this {_rate(this)}")
+
+    def set_cache_note(self, text: str) -> None:
+        self._set("cache", text)

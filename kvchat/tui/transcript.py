@@ -1,0 +1,144 @@
+"""The transcript of the current session: one Markdown block per message, the live reply streamed.
+
+Why only the visible session is rendered: hidden sessions keep generating, but
+their text never reaches a widget (toolong's rule: the visible thing gets the
+frames). A switch renders the chosen session from the service's snapshot, and
+only its last `MAX_RENDERED` messages, so a switch costs the same however long
+the conversation is. The live reply is fed through Textual's `MarkdownStream`,
+which coalesces fragments when Markdown parsing falls behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Label, Markdown
+from textual.widgets.markdown import MarkdownStream
+
+from kvchat.chat.session import MessageState, MessageView
+from kvchat.tui.stream_buffer import Chunk
+
+MAX_RENDERED = 40
+
+_ROLE_TITLES = {"system": "System", "user": "You", "assistant": "Assistant"}
+_STATE_NOTES = {
+    MessageState.STREAMING: "writing…",
+    MessageState.INTERRUPTED: "interrupted (kvchat stopped while it was written)",
+    MessageState.CANCELLED: "stopped",
+    MessageState.ERROR: "error",
+}
+
+
+def header_text(message: MessageView) -> str:
+    title = _ROLE_TITLES.get(message.role, message.role.title())
+    note = _STATE_NOTES.get(message.state)
+    if message.state == MessageState.ERROR and message.stats and message.stats.error:
+        note = f"error: {message.stats.error}"
+    if not message.in_context:
+        note = (note + ", " if note else "") + "no longer in the model's context"
+    return f"{title} · {note}" if note else title
+
+
+class MessageBlock(Vertical):
+    """One message: a header line (role and state) and its Markdown body."""
+
+    def __init__(self, message: MessageView) -> None:
+        super().__init__(classes=f"message -{message.role} -{message.state}")
+        self.message = message
+        self.message_id = message.id
+        self.shown = len(message.content)  # characters of the reply rendered so far
+        self.header = Label(header_text(message), classes="message-header")
+        self.body = Markdown(message.content, classes="message-body")
+        self._stream: MarkdownStream | None = None
+
+    def compose(self):
+        yield self.header
+        yield self.body
+
+    @property
+    def streaming(self) -> bool:
+        return self.message.state == MessageState.STREAMING
+
+    async def append(self, chunk: Chunk) -> bool:
+        """Add the part of `chunk` not shown yet; False when text before it is missing."""
+        if chunk.start > self.shown:
+            return False
+        piece = chunk.text[self.shown - chunk.start :]
+        if piece:
+            if self._stream is None:
+                self._stream = Markdown.get_stream(self.body)
+            await self._stream.write(piece)
+            self.shown += len(piece)
+        return True
+
+    async def finish(self, message: MessageView) -> None:
+        """The reply ended: stop streaming, show the final text (stop strings trimmed)."""
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        if message.content != self.body.source:
+            await self.body.update(message.content)
+        self.shown = len(message.content)
+        self.set_state(message)
+
+    def set_state(self, message: MessageView) -> None:
+        self.remove_class(f"-{self.message.state}")
+        self.message = message
+        self.add_class(f"-{message.state}")
+        self.header.update(header_text(message))
+
+
+class Transcript(VerticalScroll):
+    """The current session's messages; `show` renders a session, `append` streams into it."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.session_id: str | None = None
+
+    def blocks(self) -> list[MessageBlock]:
+        return list(self.query(MessageBlock))
+
+    def block(self, message_id: str) -> MessageBlock | None:
+        for block in self.query(MessageBlock):
+            if block.message_id == message_id:
+                return block
+        return None
+
+    async def show(self, session_id: str | None, messages: Sequence[MessageView]) -> None:
+        self.session_id = session_id
+        hidden = max(0, len(messages) - MAX_RENDERED)
+        widgets: list = []
+        if hidden:
+            widgets.append(
+                Label(
+                    f"{hidden} earlier messages (export the session to read them all)",
+                    classes="earlier",
+                )
+            )
+        widgets += [MessageBlock(m) for m in messages[hidden:]]
+        if session_id is None:
+            widgets.append(Label("No session yet: press ctrl+n to start one.", classes="empty"))
+        elif not messages:
+            widgets.append(Label("Type a message below and press enter.", classes="empty"))
+        with self.app.batch_update():
+            await self.remove_children()
+            await self.mount_all(widgets)
+        self.scroll_end(animate=False, immediate=True)
+
+    async def add_message(self, message: MessageView) -> None:
+        for empty in self.query(".empty"):
+            await empty.remove()
+        await self.mount(MessageBlock(message))
+        self.scroll_end(animate=False)
+
+    async def append(self, chunk: Chunk) -> bool:
+        """Stream `chunk` into its message; False when the message or earlier text is missing."""
+        block = self.block(chunk.message_id)
+        if block is None:
+            return False
+        at_end = self.is_vertical_scroll_end
+        ok = await block.append(chunk)
+        if ok and at_end:
+            self.scroll_end(animate=False)
+        return ok

@@ -1,0 +1,203 @@
+"""The engine: continuous batching, streaming, cancellation, preemption, thread safety."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from kvchat.engine.events import PrefillProgress, RequestFinished, TokenGenerated
+from kvchat.engine.request import FinishReason, GenerationRequest, SamplingParams
+from kvchat.model.loader import load_model
+from tests.engine_helpers import Collector, small_engine
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.tiny_models import write_tiny_model
+
+    folder = write_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+    return load_model(str(folder), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def smollm_fp32(default_gguf_path):
+    return load_model(str(default_gguf_path), dtype="float32", device="cpu")
+
+
+def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(5, 120))] for _ in range(n)]
+
+
+def run_alone(model, prompt, max_tokens, **kw) -> tuple[int, ...]:
+    with small_engine(model, **kw) as engine:
+        c = Collector()
+        engine.submit(GenerationRequest(tuple(prompt), max_tokens=max_tokens, ignore_eos=True), c)
+        return c.wait().generated_ids
+
+
+@pytest.mark.real_model
+def test_eight_concurrent_requests_match_their_solo_greedy_outputs(smollm_fp32):
+    texts = [
+        "Write a haiku about the sea.",
+        "What is the capital of Japan?",
+        "List three prime numbers.",
+        "Explain recursion briefly to a child who likes cats and dogs and trains.",
+        "Say hello.",
+        "What color is the sky on Mars?",
+        "Give me a word that rhymes with cat.",
+        "Translate 'good morning' to French.",
+    ]
+    ids = [smollm_fp32.renderer.prompt_ids([{"role": "user", "content": t}]) for t in texts]
+    solo = [run_alone(smollm_fp32, p, 16) for p in ids]
+    with small_engine(smollm_fp32) as engine:
+        collectors = [Collector() for _ in ids]
+        for p, c in zip(ids, collectors, strict=True):
+            engine.submit(GenerationRequest(tuple(p), max_tokens=16, ignore_eos=True), c)
+        together = [c.wait().generated_ids for c in collectors]
+        engine.table.validate()
+    assert together == solo
+
+
+def test_running_streams_keep_producing_during_a_long_prefill(tiny):
+    with small_engine(tiny, step_token_budget=64, max_batch=8) as engine:
+        streams = [Collector() for _ in range(3)]
+        for i, c in enumerate(streams):
+            engine.submit(GenerationRequest((5 + i, 6, 7), max_tokens=200, ignore_eos=True), c)
+        while not all(any(isinstance(e, TokenGenerated) for e in c.events) for c in streams):
+            threading.Event().wait(0.01)
+        long = Collector()
+        long_prompt = prompts(1, 500, seed=3)[0] * 8  # ~hundreds of tokens: many 64-token chunks
+        engine.submit(GenerationRequest(tuple(long_prompt), max_tokens=4, ignore_eos=True), long)
+        finished = long.wait()
+        start = next(e.time for e in long.events if isinstance(e, PrefillProgress))
+        first = next(e.time for e in long.events if isinstance(e, TokenGenerated))
+        for c in streams:
+            during = [e for e in c.events if isinstance(e, TokenGenerated) and start <= e.time <= first]
+            assert len(during) >= 3, "a stream stalled during another request's prefill"
+        for c in streams:
+            c.wait()
+        assert finished.prefilled_tokens == len(long_prompt)
+    assert finished.generated_ids == run_alone(tiny, long_prompt, 4)
+
+
+def test_cancel_mid_prefill_and_mid_decode_releases_pages(tiny):
+    with small_engine(tiny, step_token_budget=32) as engine:
+        in_prefill = Collector()
+        long_prompt = prompts(1, 500, seed=4)[0] * 10
+        rid = engine.submit(GenerationRequest(tuple(long_prompt), max_tokens=50), in_prefill)
+        while not any(isinstance(e, PrefillProgress) for e in in_prefill.events):
+            threading.Event().wait(0.005)
+        engine.cancel(rid)
+        assert in_prefill.wait().reason == FinishReason.CANCELLED
+
+        in_decode = Collector()
+        rid = engine.submit(GenerationRequest((5, 6, 7), max_tokens=10_000, ignore_eos=True), in_decode)
+        while sum(isinstance(e, TokenGenerated) for e in in_decode.events) < 3:
+            threading.Event().wait(0.005)
+        engine.cancel(rid)
+        done = in_decode.wait()
+        assert done.reason == FinishReason.CANCELLED
+        assert 3 <= done.generated_tokens < 10_000
+        engine.close()
+        engine.table.validate()
+        stats = engine.table.stats()
+        assert stats.device.active == 0
+        assert stats.device.cached > 0  # the computed pages stayed as prompt cache
+
+
+def test_preemption_when_active_requests_exhaust_the_pool_keeps_outputs_correct(tiny):
+    ps = tiny.transformer.dtype  # noqa: F841 - keep the fixture warm
+    work = prompts(4, 500, seed=5)
+    work = [(p * 3)[:60] for p in work]  # 60-token prompts, 40 new tokens: 7 pages of 16 each
+    solo = [run_alone(tiny, p, 40) for p in work]
+    per_token = 2 * tiny.config.num_layers * tiny.config.num_kv_heads * tiny.config.head_dim * 4
+    with small_engine(tiny, device_cache_bytes=18 * 16 * per_token, host_cache_bytes=0) as engine:
+        cs = [Collector() for _ in work]
+        for p, c in zip(work, cs, strict=True):
+            engine.submit(GenerationRequest(tuple(p), max_tokens=40, ignore_eos=True), c)
+        results = [c.wait() for c in cs]
+        assert engine.stats().preemptions > 0
+        engine.table.validate()
+    assert [r.generated_ids for r in results] == solo
+    assert all(r.reason == FinishReason.LENGTH for r in results)
+    assert sum(r.recomputed_tokens for r in results) > 0
+
+
+def test_submit_and_cancel_from_many_threads_is_safe(tiny):
+    with small_engine(tiny) as engine:
+        finished: list[RequestFinished] = []
+        lock = threading.Lock()
+
+        def on_event(event) -> None:
+            if isinstance(event, RequestFinished):
+                with lock:
+                    finished.append(event)
+
+        def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            for p in prompts(6, 500, seed=seed):
+                rid = engine.submit(GenerationRequest(tuple(p), max_tokens=rng.randrange(1, 12)), on_event)
+                if rng.random() < 0.5:
+                    engine.cancel(rid)
+                engine.stats()
+                engine.residency(p)
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        deadline = threading.Event()
+        for _ in range(1200):
+            with lock:
+                if len(finished) == 24:
+                    break
+            deadline.wait(0.05)
+        engine.close()
+        engine.table.validate()
+    assert len(finished) == 24
+    assert engine.table.stats().device.active == 0
+
+
+def test_same_seed_gives_same_sample_whatever_else_is_in_the_batch(tiny):
+    sampling = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=1234)
+    request = GenerationRequest((9, 8, 7), sampling, max_tokens=20, ignore_eos=True)
+    with small_engine(tiny) as engine:
+        alone = Collector()
+        engine.submit(request, alone)
+        first = alone.wait().generated_ids
+    with small_engine(tiny) as engine:
+        others = [Collector() for _ in range(3)]
+        for i, c in enumerate(others):
+            engine.submit(GenerationRequest((i + 3,) * 7, max_tokens=30, ignore_eos=True), c)
+        again = Collector()
+        engine.submit(request, again)
+        assert again.wait().generated_ids == first
+
+
+def test_stop_strings_end_the_reply_and_are_not_emitted(tiny):
+    with small_engine(tiny) as engine:
+        c = Collector()
+        engine.submit(GenerationRequest((5, 6, 7), max_tokens=40, ignore_eos=True), c)
+        full = c.wait().text
+    assert len(full) > 6
+    stop = full[3:6]
+    with small_engine(tiny) as engine:
+        c = Collector()
+        engine.submit(GenerationRequest((5, 6, 7), max_tokens=40, ignore_eos=True, stop_strings=(stop,)), c)
+        done = c.wait()
+    assert done.reason == FinishReason.STOP
+    assert done.text == full[: full.index(stop)]
+    assert "".join(e.text for e in c.events if isinstance(e, TokenGenerated)) == done.text
+
+
+def test_prompt_longer_than_the_context_fails_with_a_clear_error(tiny):
+    with small_engine(tiny) as engine:
+        c = Collector()
+        engine.submit(GenerationRequest((5,) * (tiny.config.max_position_embeddings + 1), max_tokens=4), c)
+        done = c.wait()
+    assert done.reason == FinishReason.ERROR
+    assert "context" in (done.error or "")
