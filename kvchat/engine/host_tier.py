@@ -138,14 +138,17 @@ class HostTier:
         A scan over all entries (a few hundred to a few thousand); called once per
         dropped slot, which is rare next to the copy it pays for.
         """
-        # memo: hash -> (orphan, clock of its tree's root, depth within this tier)
-        memo: dict[bytes, tuple[bool, int, int]] = {}
-        keyed: list[tuple[int, int, int, int, bytes]] = []
+        # memo: hash -> (orphan, its tree root's clock, the root's hash, depth within this tier)
+        memo: dict[bytes, tuple[bool, int, bytes, int]] = {}
+        keyed: list[tuple[int, int, bytes, int, int, bytes]] = []
         for h, entry in self._entries.items():
-            orphan, root_clock, depth = self._resolve(h, anchored, memo)
+            orphan, root_clock, root, depth = self._resolve(h, anchored, memo)
             if h in protect:
                 continue
-            keyed.append((0 if orphan else 1, root_clock, -depth, entry.slot, h))
+            if orphan:
+                keyed.append((0, 0, b"", -depth, entry.slot, h))
+            else:  # the root's hash keeps trees with equal clocks from interleaving
+                keyed.append((1, root_clock, root, -depth, entry.slot, h))
         keyed.sort()
         return [k[-1] for k in keyed]
 
@@ -153,23 +156,24 @@ class HostTier:
         self,
         h: bytes,
         anchored: Callable[[bytes], bool],
-        memo: dict[bytes, tuple[bool, int, int]],
-    ) -> tuple[bool, int, int]:
+        memo: dict[bytes, tuple[bool, int, bytes, int]],
+    ) -> tuple[bool, int, bytes, int]:
         path: list[bytes] = []
         cur = h
         while cur not in memo and cur in self._entries:
             path.append(cur)
             cur = self._entries[cur].parent
         if cur in memo:
-            orphan, root_clock, depth = memo[cur]
+            orphan, root_clock, root, depth = memo[cur]
         else:
             # `cur` is outside this tier: the top of the path is a root if `cur` is anchored.
             orphan = not anchored(cur)
-            root_clock = self._entries[path[-1]].last_used
+            root = path[-1]
+            root_clock = self._entries[root].last_used
             depth = 0
         for node in reversed(path):
             depth += 1
-            memo[node] = (orphan, root_clock, depth)
+            memo[node] = (orphan, root_clock, root, depth)
         return memo[h]
 
     def remove(self, page_hash_: bytes) -> None:

@@ -194,6 +194,9 @@ class PageTable:
         self._free = list(range(num_pages))  # a heap: lowest page first, so pages stay packed
         self._cached: set[int] = set()  # refcount 0, holding content
         self._index: dict[bytes, int] = {}  # hash -> the indexed full page
+        # hash -> live full pages computed twice (concurrently): one takes over the index
+        # when the indexed page is evicted, so a hash held on the device is always indexed
+        self._dups: dict[bytes, set[int]] = {}
         self._children: dict[bytes, set[int]] = {}  # parent hash -> pages with content under it
         self._seqs: dict[int, _Seq] = {}
         self._clock = 0  # logical: one tick per operation
@@ -351,6 +354,8 @@ class PageTable:
                 if page.hash not in self._index:
                     self._index[page.hash] = p
                     self._drop_dominated_siblings(p)
+                else:
+                    self._dups.setdefault(page.hash, set()).add(p)
 
     def release(self, seq_id: int) -> None:
         """End a sequence: its full pages stay as the prompt cache, its partial page as a tail."""
@@ -554,6 +559,9 @@ class PageTable:
             elif p not in self._children.get(page.parent, ()):
                 out.append(f"page {p} is missing from its parent's children")
             if len(page.tokens) == ps:
+                h = page.hash
+                if h is None or (self._index.get(h) != p and p not in self._dups.get(h, ())):
+                    out.append(f"full page {p} is neither indexed nor a listed duplicate")
                 if page.hash is None or page.parent is None:
                     out.append(f"full page {p} has no hash")
                 elif page_hash(page.parent, page.tokens) != page.hash:
@@ -566,6 +574,15 @@ class PageTable:
             page = self._pages[p]
             if page.hash != h or len(page.tokens) != ps:
                 out.append(f"index entry for page {p} names a page that is not that full page")
+        for h, dups in self._dups.items():
+            if not dups:
+                out.append("an empty duplicate set was left behind")
+            if h not in self._index:
+                out.append("a page computed twice has no indexed copy")
+            for p in dups:
+                page = self._pages[p]
+                if page.hash != h or page.refcount == 0 or self._index.get(h) == p:
+                    out.append(f"page {p} is listed as a live duplicate but is not one")
         for parent, kids in self._children.items():
             if not kids:
                 out.append("an empty children set was left behind")
@@ -729,8 +746,18 @@ class PageTable:
     def _clear(self, p: int) -> None:
         """Forget a page's content (it leaves the index, its parent's children and the cache)."""
         page = self._pages[p]
-        if page.hash is not None and self._index.get(page.hash) == p:
-            del self._index[page.hash]
+        h = page.hash
+        if h is not None and self._index.get(h) == p:
+            del self._index[h]
+            dups = self._dups.get(h)
+            if dups:  # a live copy of the same page stays matchable
+                self._index[h] = dups.pop()
+                if not dups:
+                    del self._dups[h]
+        elif h is not None and p in self._dups.get(h, ()):
+            self._dups[h].discard(p)
+            if not self._dups[h]:
+                del self._dups[h]
         if page.parent is not None:
             kids = self._children[page.parent]
             kids.discard(p)
@@ -772,8 +799,7 @@ class PageTable:
             return
         if len(page.tokens) == self.page_size:
             assert page.hash is not None
-            holder = self._index.setdefault(page.hash, p)
-            if holder != p:  # a duplicate of an indexed page: nothing to keep
+            if self._index[page.hash] != p:  # a duplicate of an indexed page: nothing to keep
                 self._clear(p)
                 heapq.heappush(self._free, p)
                 return

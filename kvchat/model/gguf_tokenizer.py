@@ -135,12 +135,15 @@ def _byte_level(metadata: dict[str, object], tokens: list[str]) -> Tokenizer:
         for i, tok in enumerate(tokens)
     }
     pre = metadata.get("tokenizer.ggml.pre")
-    bpe = models.BPE(
-        vocab=vocab,
-        merges=[tuple(m.split(" ", 1)) for m in merges],
-        # Llama 3's tokenizer.json looks a whole word up before merging.
-        ignore_merges=pre in _LLAMA3_NAMES,
-    )
+    try:
+        bpe = models.BPE(
+            vocab=vocab,
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+            # Llama 3's tokenizer.json looks a whole word up before merging.
+            ignore_merges=pre in _LLAMA3_NAMES,
+        )
+    except Exception as exc:  # tokenizers raises a bare Exception for a bad vocabulary
+        raise ModelLoadError(f"the GGUF's tokenizer is inconsistent ({exc}); the file is corrupt.") from exc
     backend = Tokenizer(bpe)
     if pre in _QWEN2_NAMES:
         backend.normalizer = normalizers.NFC()

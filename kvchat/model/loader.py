@@ -58,15 +58,30 @@ class LoadedModel:
         return self.config.max_position_embeddings
 
 
+WEIGHT_MODES = ("native", "bf16", "dense")
+
+
 def load_model(
     spec: str | None = None,
     *,
     dtype: str | None = None,
     device: str | None = None,
+    weights: str = "native",
+    quantize: str | None = None,
     progress: Progress = lambda _msg: None,
 ) -> LoadedModel:
+    """Load a model from any source.
+
+    `weights="native"` keeps a GGUF's 4-bit matrices 4-bit on the CPU (the fast decode
+    path); "bf16"/"dense" dequantizes everything to the compute dtype. `quantize`
+    ("int8"/"int4") quantizes a Hugging Face folder's matrices at load.
+    """
     from kvchat.model.registry import resolve_model  # registry imports the default-model fetcher
 
+    if weights not in WEIGHT_MODES:
+        raise ModelLoadError(f"Unknown --weights {weights!r}: use native or bf16.")
+    if quantize not in (None, "int8", "int4"):
+        raise ModelLoadError(f"Unknown --quantize {quantize!r}: use int8 or int4.")
     source = resolve_model(spec, progress=progress)
     dev = torch.device(device) if device else default_device()
     torch_dtype = resolve_dtype(dtype, dev)
@@ -79,8 +94,18 @@ def load_model(
     config = ModelConfig.from_file(folder / "config.json")
     tokenizer = Tokenizer.from_folder(folder)
     progress(f"Loading {source.name} ({dtype_name(torch_dtype)} on {dev.type})...")
-    weights = dict(read_tensors(folder, torch_dtype, dev))
-    transformer = Transformer(config, weights)
+    tensors: dict = dict(read_tensors(folder, torch_dtype, dev))
+    if source.is_file() and weights == "native" and dev.type == "cpu":
+        quantized = _native_quantized(source, folder, config, torch_dtype, tensors, progress)
+        if quantized:
+            tensors.update(quantized)
+            fingerprint += "-q4native"
+    elif quantize is not None:
+        from kvchat.model.quantize import quantize_weights
+
+        tensors.update(quantize_weights(tensors, config, quantize, torch_dtype, dev))
+        fingerprint += f"-{quantize}"
+    transformer = Transformer(config, tensors)
     template = ChatTemplate(
         tokenizer.chat_template or DEFAULT_CHATML_TEMPLATE,
         bos_token=tokenizer.bos_token,
@@ -97,6 +122,27 @@ def load_model(
         fingerprint=fingerprint,
         generation_defaults=_generation_defaults(folder),
     )
+
+
+def _native_quantized(source, folder, config, dtype, tensors, progress) -> dict:
+    """The GGUF's 4-bit layers, prepared once and cached beside the converted weights."""
+    from kvchat.model.gguf_file import GGUFFile
+    from kvchat.model.gguf_weights import quantized_linears
+    from kvchat.model.quantized_linear import load_linears, save_linears
+
+    cache = folder / f"native-q4-{dtype_name(dtype)}.safetensors"
+    if cache.exists():
+        try:
+            return load_linears(cache)
+        except Exception:  # a damaged cache is rebuilt, never fatal
+            cache.unlink(missing_ok=True)
+    progress("Preparing the 4-bit weights for the CPU kernels, once...")
+    quantized = quantized_linears(GGUFFile.open(source), config, dtype, tensors)
+    try:
+        save_linears(cache, quantized)
+    except OSError:
+        pass  # no room to cache: it is rebuilt at the next start
+    return quantized
 
 
 def file_sha256(path: Path) -> str:

@@ -48,15 +48,21 @@ class RotaryTable:
         freqs = torch.outer(positions, inv_freq)  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin_first_half, sin_second_half]
+        half = emb.shape[-1] // 2
+        signed = emb.sin()
+        signed[:, :half] = -signed[:, :half]
+        self.sin = signed.to(dtype=dtype, device=device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin shaped [T, 1, D] for broadcasting over heads."""
+        """cos and signed sin shaped [T, 1, D] for broadcasting over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by position; the half-split layout of transformers' rotate_half."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] rotated by position, in the half-split layout of transformers' rotate_half.
+
+    `signed_sin` carries rotate_half's minus sign, so the rotation is three ops
+    (roll, mul, addcmul) instead of five; the result equals it up to rounding.
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

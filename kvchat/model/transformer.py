@@ -17,14 +17,14 @@ import torch.nn.functional as F
 from kvchat.errors import ModelLoadError
 from kvchat.model.batch import Attention, ForwardBatch
 from kvchat.model.config import ModelConfig
+from kvchat.model.linear import DenseLinear, Linear
 from kvchat.model.rope import RotaryTable, apply_rotary
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: variance in float32, scale applied in the input dtype."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # one fused op instead of five
+    return weight * normed.to(x.dtype)
 
 
 class Layer:
@@ -34,19 +34,17 @@ class Layer:
         self.config = config
         self.input_norm = weights["input_layernorm.weight"]
         self.post_norm = weights["post_attention_layernorm.weight"]
-        self.qkv = torch.cat(
-            [weights[f"self_attn.{p}_proj.weight"] for p in ("q", "k", "v")], dim=0
+        qkv = ("q", "k", "v")
+        # A loader may hand over pre-built (e.g. 4-bit) fused projections under these names.
+        self.qkv: Linear = weights.get("self_attn.qkv_proj") or make_linear(
+            [weights[f"self_attn.{p}_proj.weight"] for p in qkv],
+            [weights[f"self_attn.{p}_proj.bias"] for p in qkv] if config.attention_bias else None,
         )  # [(Hq + 2 Hkv) D, hidden]
-        self.qkv_bias = (
-            torch.cat([weights[f"self_attn.{p}_proj.bias"] for p in ("q", "k", "v")])
-            if config.attention_bias
-            else None
-        )
-        self.o = weights["self_attn.o_proj.weight"]
-        self.gate_up = torch.cat(
-            [weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]], dim=0
+        self.o: Linear = make_linear([weights["self_attn.o_proj.weight"]])
+        self.gate_up: Linear = weights.get("mlp.gate_up_proj") or make_linear(
+            [weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]]
         )  # [2 I, hidden]
-        self.down = weights["mlp.down_proj.weight"]
+        self.down: Linear = make_linear([weights["mlp.down_proj.weight"]])
 
     def forward(
         self,
@@ -58,7 +56,7 @@ class Layer:
     ) -> torch.Tensor:
         c = self.config
         x = rms_norm(h, self.input_norm, c.rms_norm_eps)
-        qkv = F.linear(x, self.qkv, self.qkv_bias)  # [T, (Hq + 2 Hkv) D]
+        qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
         t = qkv.shape[0]
         qk = qkv[:, : c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
         qk = apply_rotary(qk, cos, sin)  # q and k rotated in one op
@@ -66,11 +64,10 @@ class Layer:
         k = qk[:, c.num_heads :]  # [T, Hkv, D]
         v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
         attn = attention(index, q, k, v)  # [T, Hq, D]
-        h = h + F.linear(attn.reshape(t, c.q_size), self.o)
+        h = h + self.o(attn.reshape(t, c.q_size))
         x = rms_norm(h, self.post_norm, c.rms_norm_eps)
-        gate_up = F.linear(x, self.gate_up)  # [T, 2 I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, I] each
+        return h + self.down(F.silu(gate) * up)
 
 
 class Transformer:
@@ -91,7 +88,9 @@ class Transformer:
                 f"(e.g. {missing[0]}). Re-download or re-convert the model."
             )
         self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = weights.get("lm_head.weight", self.embed)
+        self.lm_head: Linear = weights.get("lm_head") or make_linear(
+            [weights.get("lm_head.weight", self.embed)]
+        )
         self.norm = weights["model.norm.weight"]
         self.dtype = self.embed.dtype
         self.device = self.embed.device
@@ -110,14 +109,24 @@ class Transformer:
             h = layer.forward(i, h, cos, sin, attention)
         h = h[batch.logits_indices]  # [N, hidden]: the LM head only where logits are needed
         h = rms_norm(h, self.norm, self.config.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()  # [N, vocab]
+        return self.lm_head(h).float()  # [N, vocab]
+
+
+def make_linear(weights: list, biases: list | None = None) -> Linear:
+    """A linear layer from one or several (fused) weights: dense tensors or already-built
+    `Linear`s (quantized weights are built by the loader and passed through as they are)."""
+    if len(weights) == 1 and not isinstance(weights[0], torch.Tensor):
+        return weights[0]
+    if len(weights) == 1:
+        return DenseLinear(weights[0], biases[0] if biases else None)
+    return DenseLinear.fused(weights, biases)
 
 
 def _strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
 
 
-def _missing_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> list[str]:
+def _missing_weights(config: ModelConfig, weights: dict) -> list[str]:
     names: list[str] = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -134,4 +143,21 @@ def _missing_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> l
     )
     for i in range(config.num_layers):
         names.extend(f"model.layers.{i}.{n}" for n in per_layer)
-    return [n for n in names if n not in weights]
+    fused = {
+        "self_attn.q_proj.weight": "self_attn.qkv_proj",
+        "self_attn.k_proj.weight": "self_attn.qkv_proj",
+        "self_attn.v_proj.weight": "self_attn.qkv_proj",
+        "mlp.gate_proj.weight": "mlp.gate_up_proj",
+        "mlp.up_proj.weight": "mlp.gate_up_proj",
+    }
+
+    def present(name: str) -> bool:
+        if name in weights:
+            return True
+        if name == "lm_head.weight":
+            return "lm_head" in weights
+        prefix, _, rest = name.rpartition("layers.")
+        index, _, local = rest.partition(".")
+        return local in fused and f"{prefix}layers.{index}.{fused[local]}" in weights
+
+    return [n for n in names if not present(n)]

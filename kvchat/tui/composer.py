@@ -1,22 +1,29 @@
-"""The message input: a multi-line text area where enter sends and shift+enter / ctrl+j break the line.
+"""The message input: a multi-line text area; enter sends, shift+enter / ctrl+j break the line.
 
-Why priority bindings: a `TextArea` consumes enter itself (it inserts a newline)
-before ordinary bindings are looked at; binding send and newline with priority,
-and with ids, keeps both remappable from the settings file.
+Why the keys are handled in `_on_key` and not as priority bindings: a `TextArea`
+consumes enter itself (it inserts a newline), and a priority binding runs on
+the App as soon as the key arrives, before the characters typed just before it
+have reached the text area (in a real terminal, "hello" + enter sent "hel").
+Handling send in the widget's own key handler keeps the keys in order. The
+bindings still exist, with ids, for the footer and for remapping: the keys
+come from the settings' keymap.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from textual import events
 from textual.message import Message
 from textual.widgets import TextArea
 
-from kvchat.tui.keys import COMPOSER_KEYS, bindings
+from kvchat.tui.keys import COMPOSER_KEYS, bindings, keys_for
 
 
 class Composer(TextArea):
     """Posts `Composer.Submitted` with the text on send; clears itself."""
 
-    BINDINGS = bindings(COMPOSER_KEYS, priority=True)
+    BINDINGS = bindings(COMPOSER_KEYS)
 
     class Submitted(Message):
         def __init__(self, composer: Composer, text: str) -> None:
@@ -24,9 +31,25 @@ class Composer(TextArea):
             self.composer = composer
             self.text = text
 
-    def __init__(self, *, id: str | None = None) -> None:
+    def __init__(self, *, keymap: Mapping[str, str] | None = None, id: str | None = None) -> None:
         super().__init__(id=id, soft_wrap=True, show_line_numbers=False, tab_behavior="focus")
         self.editing = False  # True: the next send replaces the last user message
+        keymap = keymap or {}
+        self.send_keys = _key_set(keys_for("send", keymap))
+        self.newline_keys = _key_set(keys_for("newline", keymap))
+
+    async def _on_key(self, event: events.Key) -> None:
+        names = {event.key, *event.aliases}
+        if names & self.send_keys:
+            event.stop()
+            event.prevent_default()
+            self.action_send()
+        elif names & self.newline_keys:
+            event.stop()
+            event.prevent_default()
+            self.action_newline()
+        else:
+            await super()._on_key(event)
 
     def action_send(self) -> None:
         text = self.text.strip()
@@ -43,3 +66,7 @@ class Composer(TextArea):
         self.border_title = (
             "Editing your last message: send replaces it (esc cancels)" if editing else None
         )
+
+
+def _key_set(keys: str) -> set[str]:
+    return {k.strip() for k in keys.split(",") if k.strip()}

@@ -18,14 +18,14 @@ from textual.widgets import Label, Sparkline, Static
 from kvchat.chat.session import SessionView
 from kvchat.engine.stats import EngineStats, TierPages
 
-BAR_WIDTH = 18
+BAR_WIDTH = 14
 SPARK_POINTS = 40
 
 
 def tier_bar(pages: TierPages | None, width: int = BAR_WIDTH) -> Content:
     """active (█) / cached (▓) / free (░) pages, proportional to the tier's capacity."""
     if pages is None or pages.capacity == 0:
-        return Content.from_markup("[$text-muted]" + "·" * width + " off")
+        return Content.from_markup("[$text-muted]" + "·" * width)
     cap = pages.capacity
     active = min(width, round(width * pages.active / cap))
     if pages.active and not active:
@@ -60,7 +60,7 @@ class Meters(Vertical):
     def compose(self) -> ComposeResult:
         yield Label("Hit rate", classes="meter-label")
         yield Static(id="meter-hit-rate", classes="meter-value")
-        yield Label("Pages  active▕cached▕free", classes="meter-label")
+        yield Label("Pages (active/cached/free)", classes="meter-label")
         yield Static(id="meter-pages", classes="meter-value")
         yield Label("Evictions", classes="meter-label")
         yield Static(id="meter-evictions", classes="meter-value")
@@ -90,11 +90,11 @@ class Meters(Vertical):
         for tier in ("device", "host"):
             pages = stats.pages.get(tier)
             counts = (
-                f" {pages.active}/{pages.cached}/{pages.free}"
+                f"{pages.active}/{pages.cached}/{pages.free}"
                 if pages is not None and pages.capacity
-                else ""
+                else "off"
             )
-            lines.append(Content.assemble(f"{tier:<6} ", tier_bar(pages), counts))
+            lines.append(Content.assemble(f"{tier:<6} ", tier_bar(pages), f"\n       {counts}"))
         self._set("pages", Content("\n").join(lines))
 
         ev = stats.evictions

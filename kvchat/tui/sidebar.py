@@ -25,9 +25,10 @@ BAR_WIDTH = 16
 
 def residency_bar(residency: Residency | None, width: int = BAR_WIDTH) -> Content:
     """`width` cells: device (█), host only (▓), nowhere (░), proportional to tokens."""
-    if residency is None or residency.total == 0:
+    # the engine may return its own type with these three fields (no `total`)
+    total = 0 if residency is None else residency.device + residency.host + residency.nowhere
+    if residency is None or total == 0:
         return Content.from_markup("[$text-muted]" + "·" * width)
-    total = residency.total
     device = round(width * residency.device / total)
     host = min(width - device, round(width * residency.host / total))
     nowhere = width - device - host

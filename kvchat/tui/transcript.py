@@ -56,6 +56,11 @@ class MessageBlock(Vertical):
         yield self.header
         yield self.body
 
+    async def on_unmount(self) -> None:
+        if self._stream is not None:  # removed mid-reply (a switch): end its task
+            await self._stream.stop()
+            self._stream = None
+
     @property
     def streaming(self) -> bool:
         return self.message.state == MessageState.STREAMING
@@ -126,11 +131,36 @@ class Transcript(VerticalScroll):
             await self.mount_all(widgets)
         self.scroll_end(animate=False, immediate=True)
 
-    async def add_message(self, message: MessageView) -> None:
-        for empty in self.query(".empty"):
-            await empty.remove()
-        await self.mount(MessageBlock(message))
-        self.scroll_end(animate=False)
+    async def sync(self, session_id: str | None, messages: Sequence[MessageView]) -> None:
+        """Bring the rendered session up to `messages`: new blocks mounted, ended replies
+        finished; a full render when earlier messages changed (regenerate, edit)."""
+        blocks = self.blocks()
+        if session_id != self.session_id or not blocks:
+            await self.show(session_id, messages)
+            return
+        ids = [m.id for m in messages]
+        try:
+            start = ids.index(blocks[0].message_id)
+        except ValueError:
+            await self.show(session_id, messages)
+            return
+        if ids[start : start + len(blocks)] != [b.message_id for b in blocks]:
+            await self.show(session_id, messages)
+            return
+        for block, message in zip(blocks, messages[start:], strict=False):
+            if block.message.state != message.state or (
+                not block.streaming and block.message.content != message.content
+            ):
+                if message.state == MessageState.STREAMING:
+                    block.set_state(message)
+                else:
+                    await block.finish(message)
+        new = messages[start + len(blocks) :]
+        if new:
+            at_end = self.is_vertical_scroll_end
+            await self.mount_all([MessageBlock(m) for m in new])
+            if at_end or any(m.role == "user" for m in new):
+                self.scroll_end(animate=False)
 
     async def append(self, chunk: Chunk) -> bool:
         """Stream `chunk` into its message; False when the message or earlier text is missing."""

@@ -1,0 +1,133 @@
+"""The issues' bars, checked against one bench run's medians.
+
+Each bar is a ratio measured in the same run (never against numbers from another
+machine), so a noisy or slower machine moves kvchat and its peers together. A bar
+whose inputs are missing (a peer not installed, a workload not run) is left out,
+not failed. In a `--quick` run the sizes are too small for the ratios to mean
+much; the report says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Bar:
+    workload: str
+    claim: str
+    value: float
+    target: float
+    higher_is_better: bool
+
+    @property
+    def passed(self) -> bool:
+        return self.value >= self.target if self.higher_is_better else self.value <= self.target
+
+    def to_json(self) -> dict[str, object]:
+        return {**asdict(self), "passed": self.passed}
+
+
+def _median(results: dict, workload: str, engine: str) -> dict | None:
+    entry = results.get("workloads", {}).get(workload, {}).get("engines", {}).get(engine)
+    return entry["median"] if entry else None
+
+
+def check_bars(results: dict) -> list[Bar]:
+    bars: list[Bar] = []
+    ours, theirs = _median(results, "speed", "kvchat"), _median(results, "speed", "transformers")
+    if ours and theirs:
+        if theirs["decode_tok_s"]:
+            bars.append(
+                Bar(
+                    "speed",
+                    "decode at batch 1 vs transformers (x)",
+                    ours["decode_tok_s"] / theirs["decode_tok_s"],
+                    1.7,
+                    True,
+                )
+            )
+        first = next(iter(ours["prefill_tok_s"]), None)
+        if first and first in theirs["prefill_tok_s"] and theirs["prefill_tok_s"][first]:
+            bars.append(
+                Bar(
+                    "speed",
+                    f"prefill {first} vs transformers (x)",
+                    ours["prefill_tok_s"][first] / theirs["prefill_tok_s"][first],
+                    1.2,
+                    True,
+                )
+            )
+    w1 = _median(results, "W1", "kvchat")
+    if w1:
+        bars.append(
+            Bar(
+                "W1",
+                "prefilled tokens beyond each follow-up's new tokens",
+                w1["follow_up_excess_prefill"],
+                1,
+                False,
+            )
+        )
+        for peer, target in (
+            ("transformers-naive", 1 / 3.5),
+            ("transformers-cache", 0.6),
+            ("llama.cpp", 1 / 5),
+        ):
+            other = _median(results, "W1", peer)
+            if other and other["total_s"]:
+                bars.append(
+                    Bar(
+                        "W1",
+                        f"total time vs {peer} (fraction)",
+                        w1["total_s"] / other["total_s"],
+                        target,
+                        False,
+                    )
+                )
+    sweep = _median(results, "sweep", "kvchat")
+    if sweep:
+        bars.append(
+            Bar(
+                "sweep",
+                "slowest follow-up TTFT after a switch (s)",
+                max(sweep["ttft_s"]),
+                0.08,
+                False,
+            )
+        )
+    w2, hf2 = _median(results, "W2", "kvchat"), _median(results, "W2", "transformers")
+    if w2 and hf2 and hf2["decode_tok_s"]:
+        bars.append(
+            Bar(
+                "W2",
+                "aggregate decode vs transformers batched generate (x)",
+                w2["decode_tok_s"] / hf2["decode_tok_s"],
+                1.4,
+                True,
+            )
+        )
+    w3 = _median(results, "W3", "kvchat")
+    if w3 and w3["itl_p99_alone_s"]:
+        bars.append(
+            Bar(
+                "W3",
+                "streams' p99 inter-token latency during an ingest vs alone (x)",
+                w3["p99_ratio"],
+                3.0,
+                False,
+            )
+        )
+    on = _median(results, "W4", "half, host tier on")
+    everything = _median(results, "W4", "all on device")
+    if on and everything and everything["hit_rate"]:
+        bars.append(
+            Bar(
+                "W4",
+                "hit rate, half device cache + host tier vs all on device",
+                on["hit_rate"] / everything["hit_rate"],
+                0.9,
+                True,
+            )
+        )
+    return bars

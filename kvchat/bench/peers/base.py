@@ -1,0 +1,102 @@
+"""What every benchmarked engine answers, and the values it answers with.
+
+The workloads (`bench/workloads.py`) drive engines only through these types, so
+kvchat and each peer are measured by the same code: the same turns in the same
+order, TTFT taken the same way (from the start of a turn, templating included,
+to the first generated token), decode rates over the same span (after the
+first token). Results are frozen dataclasses: they cross from the peers into
+the report unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class PeerUnavailable(Exception):
+    """The peer cannot run here (package missing, wrong model kind); the message says why."""
+
+
+class NotApplicable(Exception):
+    """The engine has no way to run this workload (e.g. no batching); the message says why."""
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """One chat turn as the user saw it."""
+
+    ttft_s: float  # start of the turn (templating included) -> first generated token
+    total_s: float  # start of the turn -> last generated token
+    prompt_tokens: int  # the whole prompt of this turn
+    prefilled_tokens: int  # prompt tokens the engine computed for this turn
+    new_tokens: int  # prompt tokens not in the session's previous prompt + reply
+    generated_tokens: int
+    engine_ttft_s: float | None = None  # the engine's own submit -> first token, when it has one
+
+
+@dataclass(frozen=True)
+class SpeedResult:
+    """Prefill rate per prompt length (logits of the last token only) and batch-1 decode."""
+
+    prefill_tok_s: dict[int, float]
+    decode_tok_s: float
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """Several sequences generating at once (W2)."""
+
+    sequences: int
+    tokens_each: int
+    decode_tok_s: float  # tokens after every sequence's first / span from then to the end
+    wall_s: float  # submit -> last token, prefill included
+
+    @property
+    def wall_tok_s(self) -> float:
+        return self.sequences * self.tokens_each / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class ChatEngine(Protocol):
+    """Sessions kept the way this engine's users keep them; one turn at a time."""
+
+    def new_session(self) -> object: ...
+
+    def turn(self, session: object, text: str, max_tokens: int) -> TurnResult:
+        """Send `text` as the user's next message; greedy, exactly `max_tokens` tokens."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Peer(Protocol):
+    """A loaded engine. Methods raise `NotApplicable` for workloads it cannot run."""
+
+    name: str
+    description: str  # one line for the report: what it is and how it keeps state
+
+    def chat(self, capacity_tokens: int) -> ChatEngine:
+        """A fresh chat with nothing cached; `capacity_tokens` bounds what it must hold."""
+        ...
+
+    def speed(
+        self,
+        prompt_ids: Sequence[int],
+        prefill_lengths: Sequence[int],
+        decode_prompt: int,
+        decode_tokens: int,
+    ) -> SpeedResult: ...
+
+    def batch(self, prompts: Sequence[Sequence[int]], tokens_each: int) -> BatchResult: ...
+
+    def close(self) -> None: ...
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,316 @@
+"""kvchat itself, driven exactly as its users drive it.
+
+Chat turns go through the session layer (`SessionService`: stored ids plus the
+new turn, never a re-render), so W1 measures what the TUI and `kvchat run` get.
+Batched generation (W2) and the interference run (W3) submit to the `Engine`
+directly, whose token events carry their own timestamps. The prefill speed is
+one forward pass of the transformer over a fresh paged cache (logits of the
+last token only); the batch-1 decode rate is the engine's own, step loop
+included.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvchat.bench.peers.base import BatchResult, SpeedResult, TurnResult
+from kvchat.chat.events import ReplyDelta, ReplyFinished, SessionFailed
+from kvchat.chat.service import SessionService
+from kvchat.chat.store import Store
+from kvchat.engine.config import EngineConfig
+from kvchat.engine.engine import Engine
+from kvchat.engine.events import EngineEvent, RequestFinished, TokenGenerated
+from kvchat.engine.kv_store import kv_bytes_per_token
+from kvchat.engine.paged_attention import PagedAttention
+from kvchat.engine.request import GenerationRequest, SamplingParams
+from kvchat.engine.stats import EngineStats
+from kvchat.errors import KvchatError
+from kvchat.model.batch import ForwardBatch
+from kvchat.model.device import dtype_name
+
+GREEDY = SamplingParams(temperature=0.0)
+TURN_TIMEOUT_S = 1800.0
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class KvchatChat:
+    """Sessions through `SessionService` over a fresh engine (nothing cached)."""
+
+    def __init__(self, model, config: EngineConfig) -> None:
+        self.engine = Engine(model, config)
+        self.service = SessionService(
+            self.engine,
+            model.renderer,
+            Store.in_memory(),
+            stop_token_ids=model.tokenizer.stop_token_ids,
+            default_sampling=GREEDY,
+        )
+        self._events: queue.Queue = queue.Queue()
+        self.service.subscribe(self._events.put)
+        self.sessions: list[str] = []
+
+    def new_session(self) -> str:
+        session_id = self.service.create_session("bench")
+        self.sessions.append(session_id)
+        return session_id
+
+    def turn(self, session: object, text: str, max_tokens: int) -> TurnResult:
+        sid = str(session)
+        before = len(self.service.token_ids(sid))  # previous prompt + its reply
+        start = time.perf_counter()
+        self.service.say(sid, text, sampling=GREEDY, max_tokens=max_tokens, ignore_eos=True)
+        first: float | None = None
+        while True:
+            event = self._events.get(timeout=TURN_TIMEOUT_S)
+            if isinstance(event, ReplyDelta) and event.session_id == sid and first is None:
+                first = time.perf_counter()
+            elif isinstance(event, SessionFailed) and event.session_id == sid:
+                raise KvchatError(f"kvchat could not start a bench turn: {event.message}")
+            elif isinstance(event, ReplyFinished) and event.session_id == sid:
+                break
+        end = time.perf_counter()
+        stats = event.stats
+        if stats.error is not None or first is None:
+            raise KvchatError(f"kvchat failed a bench turn: {stats.error or 'no token came'}")
+        return TurnResult(
+            ttft_s=first - start,
+            total_s=end - start,
+            prompt_tokens=stats.prompt_tokens,
+            prefilled_tokens=stats.prefilled_tokens,
+            new_tokens=stats.prompt_tokens - before,
+            generated_tokens=stats.generated_tokens,
+            engine_ttft_s=stats.ttft_s,
+        )
+
+    def working_set_tokens(self) -> list[int]:
+        """Each session's stored ids (history) length: what the cache must hold to hit."""
+        return [len(self.service.token_ids(s)) for s in self.sessions]
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        self.service.close()
+        self.engine.close()
+
+
+@dataclass
+class _Stream:
+    """Token times of one request (engine thread appends, bench thread reads after)."""
+
+    times: list[float] = field(default_factory=list)
+    finished: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+
+    def __call__(self, event: EngineEvent) -> None:
+        if isinstance(event, TokenGenerated):
+            self.times.append(event.time)
+        elif isinstance(event, RequestFinished):
+            self.error = event.error
+            self.finished.set()
+
+    def wait(self) -> None:
+        if not self.finished.wait(TURN_TIMEOUT_S):
+            raise KvchatError("a bench request did not finish in time")
+        if self.error:
+            raise KvchatError(f"kvchat failed a bench request: {self.error}")
+
+
+class KvchatPeer:
+    name = "kvchat"
+
+    def __init__(
+        self,
+        model,
+        *,
+        page_size: int,
+        device_cache_bytes: int | None = None,
+        host_cache_bytes: int | None = None,
+    ) -> None:
+        self.model = model
+        self.page_size = page_size
+        self.device_cache_bytes = device_cache_bytes  # the user's override, else sized per run
+        self.host_cache_bytes = host_cache_bytes
+        c = model.config
+        self.bytes_per_token = kv_bytes_per_token(
+            c.num_layers, c.num_kv_heads, c.head_dim, model.transformer.dtype
+        )
+        self.description = (
+            f"kvchat {dtype_name(model.transformer.dtype)}, paged prefix-hashed KV cache "
+            f"({page_size}-token pages), sessions through the session layer"
+        )
+
+    # ---- sizing ------------------------------------------------------------------------
+
+    def page_bytes(self) -> int:
+        return self.page_size * self.bytes_per_token
+
+    def config(
+        self,
+        capacity_tokens: int,
+        *,
+        device_bytes: int | None = None,
+        host_bytes: int | None = None,
+    ) -> EngineConfig:
+        """An engine sized for `capacity_tokens` (plus slack), unless told otherwise."""
+        pages = math.ceil(capacity_tokens / self.page_size) + 4
+        dev = device_bytes or self.device_cache_bytes or pages * self.page_bytes()
+        host = host_bytes
+        if host is None:
+            host = self.host_cache_bytes if self.host_cache_bytes is not None else dev
+        return EngineConfig(page_size=self.page_size, device_cache_bytes=dev, host_cache_bytes=host)
+
+    # ---- workloads -----------------------------------------------------------------------
+
+    def chat(
+        self,
+        capacity_tokens: int,
+        *,
+        device_bytes: int | None = None,
+        host_bytes: int | None = None,
+    ) -> KvchatChat:
+        cfg = self.config(capacity_tokens, device_bytes=device_bytes, host_bytes=host_bytes)
+        return KvchatChat(self.model, cfg)
+
+    def speed(
+        self,
+        prompt_ids: Sequence[int],
+        prefill_lengths: Sequence[int],
+        decode_prompt: int,
+        decode_tokens: int,
+    ) -> SpeedResult:
+        prefill = {}
+        for n in prefill_lengths:
+            self._prefill_seconds(list(prompt_ids[:n]))  # the first call of a shape sets it up
+            prefill[n] = n / self._prefill_seconds(list(prompt_ids[:n]))
+        with Engine(self.model, self.config(decode_prompt + decode_tokens + 64)) as engine:
+            warm = _Stream()
+            warm_up = GenerationRequest(tuple(prompt_ids[:32]), GREEDY, 4, ignore_eos=True)
+            engine.submit(warm_up, warm)
+            warm.wait()
+            stream = _Stream()
+            request = GenerationRequest(
+                tuple(prompt_ids[:decode_prompt]), GREEDY, decode_tokens, ignore_eos=True
+            )
+            engine.submit(request, stream)
+            stream.wait()
+        t = stream.times
+        return SpeedResult(prefill, (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 else 0.0)
+
+    def _prefill_seconds(self, ids: list[int]) -> float:
+        """One forward over `ids` into a fresh paged cache, logits of the last token only."""
+        t = self.model.transformer
+        c = self.model.config
+        ps = self.page_size
+        pages = math.ceil(len(ids) / ps)
+        k_all = torch.zeros(
+            c.num_layers, pages, ps, c.num_kv_heads, c.head_dim, dtype=t.dtype, device=t.device
+        )  # [L, P, S, Hkv, D]
+        attention = PagedAttention(k_all, torch.zeros_like(k_all))
+        batch = ForwardBatch.from_runs([ids], [0], device=t.device)
+        attention.prepare(batch, [list(range(pages))])
+        sync(t.device)
+        start = time.perf_counter()
+        t.forward(batch, attention)
+        sync(t.device)
+        return time.perf_counter() - start
+
+    def batch(self, prompts: Sequence[Sequence[int]], tokens_each: int) -> BatchResult:
+        capacity = sum(len(p) + tokens_each + self.page_size for p in prompts)
+        with Engine(self.model, self.config(capacity)) as engine:
+            streams = [_Stream() for _ in prompts]
+            start = time.monotonic()
+            for prompt, stream in zip(prompts, streams, strict=True):
+                request = GenerationRequest(tuple(prompt), GREEDY, tokens_each, ignore_eos=True)
+                engine.submit(request, stream)
+            for stream in streams:
+                stream.wait()
+        all_first = max(s.times[0] for s in streams)
+        end = max(s.times[-1] for s in streams)
+        after = sum(1 for s in streams for t in s.times if t > all_first)
+        rate = after / (end - all_first) if end > all_first else 0.0
+        return BatchResult(len(prompts), tokens_each, rate, end - start)
+
+    def interference(
+        self,
+        stream_prompts: Sequence[Sequence[int]],
+        ingest_prompt: Sequence[int],
+        baseline_tokens: int,
+    ) -> dict[str, float | int]:
+        """W3: the streams' inter-token latencies alone, then while a long prompt is ingested."""
+        longest = max(len(p) for p in stream_prompts)
+        max_stream = max(baseline_tokens, self.model.context_length - longest - 8)
+        max_stream = min(max_stream, 4096)
+        capacity = len(ingest_prompt) + len(stream_prompts) * (longest + max_stream + 256)
+        with Engine(self.model, self.config(capacity)) as engine:
+            # Without the ingest: a fixed number of tokens each.
+            alone = [_Stream() for _ in stream_prompts]
+            for prompt, stream in zip(stream_prompts, alone, strict=True):
+                engine.submit(
+                    GenerationRequest(tuple(prompt), GREEDY, baseline_tokens, ignore_eos=True),
+                    stream,
+                )
+            for stream in alone:
+                stream.wait()
+            baseline = [  # the first gap is skipped: the streams' prefill shares its step
+                b - a for s in alone for a, b in zip(s.times[1:], s.times[2:], strict=False)
+            ]
+            # With it: streams run long; the ingest starts once each has a few tokens.
+            busy = [_Stream() for _ in stream_prompts]
+            ids = [
+                engine.submit(GenerationRequest(tuple(p), GREEDY, max_stream, ignore_eos=True), s)
+                for p, s in zip(stream_prompts, busy, strict=True)
+            ]
+            deadline = time.monotonic() + TURN_TIMEOUT_S
+            while min(len(s.times) for s in busy) < 4 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            ingest = _Stream()
+            t_submit = time.monotonic()
+            engine.submit(
+                GenerationRequest(tuple(ingest_prompt), GREEDY, 1, ignore_eos=True), ingest
+            )
+            ingest.wait()
+            t_done = ingest.times[-1]
+            for request_id in ids:
+                engine.cancel(request_id)
+            for s in busy:
+                s.finished.wait(TURN_TIMEOUT_S)
+        during = [
+            b - a
+            for s in busy
+            for a, b in zip(s.times, s.times[1:], strict=False)
+            if b > t_submit and a < t_done
+        ]
+        return {
+            "itl_p50_alone_s": percentile(baseline, 50),
+            "itl_p99_alone_s": percentile(baseline, 99),
+            "itl_p50_ingest_s": percentile(during, 50),
+            "itl_p99_ingest_s": percentile(during, 99),
+            "itl_max_ingest_s": max(during, default=0.0),
+            "ingest_tokens": len(ingest_prompt),
+            "ingest_s": t_done - t_submit,
+            "gaps_during_ingest": len(during),
+        }
+
+    def close(self) -> None:
+        pass
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (0 for no values): p99 of 50 gaps is the largest, not a blend."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]

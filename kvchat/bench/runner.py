@@ -1,0 +1,191 @@
+"""`kvchat bench`: load the model and the peers once, run the workloads, write the report.
+
+The command line picks the workloads (`--workloads speed,W1,sweep,W2,W3,W4`), the
+peers (`--peers transformers-naive,transformers-cache,llama.cpp`; default: every
+one that is installed), the repeats and the output folder. A peer that cannot
+run here (package missing, a model that is not a GGUF for llama.cpp) is skipped
+with its reason in the report; a peer that fails mid-run loses only its own
+numbers. The exit code is 1 only when kvchat itself failed a workload.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import sys
+import time
+from pathlib import Path
+
+from kvchat.bench.machine import machine_info
+from kvchat.bench.peers.base import PeerUnavailable
+from kvchat.bench.peers.kvchat import KvchatPeer
+from kvchat.bench.report import markdown, write_report
+from kvchat.bench.workloads import WORKLOAD_NAMES, WORKLOADS, BenchContext, make_plan
+from kvchat.errors import KvchatError
+from kvchat.model.device import dtype_name
+
+PEER_NAMES = ("transformers-naive", "transformers-cache", "llama.cpp")
+PEER_ALIASES: dict[str, tuple[str, ...]] = {
+    "transformers": ("transformers-naive", "transformers-cache"),
+    "hf": ("transformers-naive", "transformers-cache"),
+    "llama-cpp": ("llama.cpp",),
+    "llamacpp": ("llama.cpp",),
+    "none": (),
+}
+
+
+def parse_workloads(text: str | None) -> list[str]:
+    """`--workloads` as canonical names, in the suite's order; all of them when unset."""
+    if not text:
+        return list(WORKLOAD_NAMES)
+    by_lower = {n.lower(): n for n in WORKLOAD_NAMES}
+    picked = set()
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if part.lower() not in by_lower:
+            raise KvchatError(
+                f"Unknown workload {part!r} in --workloads; pick from {', '.join(WORKLOAD_NAMES)}."
+            )
+        picked.add(by_lower[part.lower()])
+    return [n for n in WORKLOAD_NAMES if n in picked]
+
+
+def parse_peers(text: str | None) -> list[str]:
+    """`--peers` as canonical names; every peer when unset (missing ones are skipped later)."""
+    if text is None:
+        return list(PEER_NAMES)
+    picked: set[str] = set()
+    for part in (p.strip().lower() for p in text.split(",")):
+        if not part:
+            continue
+        if part in PEER_NAMES:
+            picked.add(part)
+        elif part in PEER_ALIASES:
+            picked.update(PEER_ALIASES[part])
+        else:
+            raise KvchatError(
+                f"Unknown peer {part!r} in --peers; pick from {', '.join(PEER_NAMES)} "
+                "(or 'transformers' for both transformers peers, 'none' for kvchat alone)."
+            )
+    return [n for n in PEER_NAMES if n in picked]
+
+
+def load_peers(names: list[str], model, progress) -> tuple[dict, dict, dict[str, str]]:
+    """(chat peers, speed peers, skipped name -> reason) for the requested peer names."""
+    chat: dict[str, object] = {}
+    speed: dict[str, object] = {}
+    skipped: dict[str, str] = {}
+    hf_names = [n for n in names if n.startswith("transformers-")]
+    if hf_names:
+        from kvchat.bench.peers.hf_model import HfModel
+
+        try:
+            hf = HfModel(model, progress)
+        except PeerUnavailable as exc:
+            skipped.update({n: str(exc) for n in hf_names})
+        else:
+            from kvchat.bench.peers.hf_cache import HfCachePeer
+            from kvchat.bench.peers.hf_naive import HfNaivePeer
+
+            speed["transformers"] = hf
+            if "transformers-naive" in names:
+                chat["transformers-naive"] = HfNaivePeer(hf)
+            if "transformers-cache" in names:
+                chat["transformers-cache"] = HfCachePeer(hf)
+    if "llama.cpp" in names:
+        from kvchat.bench.peers.llama_cpp import LlamaCppPeer
+
+        try:
+            llama = LlamaCppPeer(model, progress)
+        except PeerUnavailable as exc:
+            skipped["llama.cpp"] = str(exc)
+        else:
+            chat["llama.cpp"] = llama
+            speed["llama.cpp"] = llama
+    return chat, speed, skipped
+
+
+def _command(args) -> str:
+    parts = ["kvchat bench"]
+    if args.quick:
+        parts.append("--quick")
+    for flag in ("workloads", "peers", "repeats", "model", "dtype", "device", "page_size"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            parts.append(f"--{flag.replace('_', '-')} {value}")
+    return " ".join(parts)
+
+
+def main(args) -> int:
+    from kvchat.model.loader import load_model
+    from kvchat.runtime import read_settings, resolve_options
+
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    workloads = parse_workloads(args.workloads)
+    peer_names = parse_peers(args.peers)
+    if args.repeats is not None and args.repeats < 1:
+        raise KvchatError("--repeats must be at least 1.")
+    if args.temperature:
+        progress("kvchat bench: every engine decodes greedily; --temperature is ignored.")
+    options = resolve_options(args, read_settings(progress))
+    started = time.perf_counter()
+    model = load_model(options.model, dtype=options.dtype, device=options.device, progress=progress)
+    plan = make_plan(quick=args.quick, repeats=args.repeats, context_length=model.context_length)
+    kvchat = KvchatPeer(
+        model,
+        page_size=options.page_size,
+        device_cache_bytes=options.device_cache,
+        host_cache_bytes=options.host_cache,
+    )
+    chat_peers, speed_peers, skipped = load_peers(peer_names, model, progress)
+    for name, why in skipped.items():
+        progress(f"kvchat bench: skipping {name}: {why}")
+    ctx = BenchContext(model, plan, kvchat, chat_peers, speed_peers, progress)
+    results: dict = {
+        "command": _command(args),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "quick": plan.quick,
+        "repeats": plan.repeats,
+        "machine": machine_info(model.device, model.dtype),
+        "model": {
+            "name": model.name,
+            "source": str(model.source),
+            "dtype": dtype_name(model.dtype),
+            "page_size": options.page_size,
+            "context_length": model.context_length,
+        },
+        "engines": {"kvchat": kvchat.description}
+        | {n: p.description for n, p in {**speed_peers, **chat_peers}.items()},
+        "skipped": skipped,
+        "notes": list(plan.notes),
+        "plan": {k: v for k, v in vars(plan).items() if k != "notes"},
+        "workloads": {},
+    }
+    try:
+        for name in workloads:
+            t0 = time.perf_counter()
+            results["workloads"][name] = WORKLOADS[name](ctx)
+            results["workloads"][name]["seconds"] = time.perf_counter() - t0
+    finally:
+        for peer in {id(p): p for p in [*chat_peers.values(), *speed_peers.values()]}.values():
+            peer.close()
+    results["seconds"] = time.perf_counter() - started
+    out = Path(args.out)
+    try:
+        written, notes = write_report(results, out)
+    except OSError as exc:
+        raise KvchatError(f"Could not write the bench report to {out} ({exc}).") from exc
+    for note in notes:
+        progress(f"kvchat bench: {note}")
+    print(markdown(results), end="")
+    progress(f"kvchat bench: {results['seconds']:.0f} s; wrote {', '.join(map(str, written))}")
+    peers = {*chat_peers, *speed_peers}
+    failed = [  # kvchat's own runs (W4's configurations are all kvchat's)
+        n for n, w in results["workloads"].items() if set(w.get("errors", {})) - peers
+    ]
+    if failed:
+        progress(f"kvchat bench: kvchat failed in {', '.join(failed)} (see the messages above)")
+        return 1
+    return 0

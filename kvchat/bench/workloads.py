@@ -1,0 +1,445 @@
+"""DESIGN.md's workloads, each run for every engine that can run it, repeated.
+
+One function per workload takes the `BenchContext` and returns a JSON-ready dict:
+`{"engines": {name: {"runs": [...], "median": {...}}}, "not_applicable": {name:
+reason}, "errors": {name: message}, ...}`. Repeats are interleaved (repeat 1 of
+every engine, then repeat 2...), so a noisy stretch of the machine falls on all
+engines alike. Every engine is driven by the same code here; what differs is
+only how each keeps its state (`peers/`).
+
+Sizes live in `BenchPlan`: the full plan is DESIGN.md's; `--quick` shrinks every
+workload (short documents, one round, few tokens, one repeat) but keeps each
+one's entry, so the JSON always has the same shape.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from kvchat.bench import documents as docs
+from kvchat.bench.machine import memory_bandwidth_gbs, weight_bytes_per_token
+from kvchat.bench.peers.base import ChatEngine, NotApplicable, TurnResult
+from kvchat.bench.peers.kvchat import KvchatPeer
+
+WORKLOAD_NAMES = ("speed", "W1", "sweep", "W2", "W3", "W4")
+SERIAL_ONLY = "runs one request at a time, so the streams wait for the whole ingest"
+W4_ONLY = "kvchat's own cache tiers under pressure; the peers have no such tiers"
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """Every size the workloads use (DESIGN.md's, or reduced for --quick)."""
+
+    quick: bool = False
+    repeats: int = 3
+    prefill_lengths: tuple[int, ...] = (512, 2048)
+    decode_prompt: int = 512
+    decode_tokens: int = 128
+    bandwidth_bytes: int = 512 << 20
+    doc_tokens: int = 3000
+    rounds: int = 3
+    answer_tokens: int = 32
+    sweep_lengths: tuple[int, ...] = (1024, 2048, 4096, 6144)
+    sweep_answer_tokens: int = 8
+    w2_sessions: int = 8
+    w2_tokens: int = 128
+    w3_ingest_tokens: int = 4000
+    w3_baseline_tokens: int = 64
+    notes: tuple[str, ...] = ()
+
+
+QUICK = BenchPlan(
+    quick=True,
+    repeats=1,
+    prefill_lengths=(128, 512),
+    decode_prompt=128,
+    decode_tokens=32,
+    bandwidth_bytes=128 << 20,
+    doc_tokens=256,
+    rounds=1,
+    answer_tokens=16,
+    sweep_lengths=(256, 512),
+    sweep_answer_tokens=4,
+    w2_sessions=8,
+    w2_tokens=16,
+    w3_ingest_tokens=768,
+    w3_baseline_tokens=16,
+)
+
+
+def make_plan(*, quick: bool, repeats: int | None, context_length: int) -> BenchPlan:
+    """The plan for this model: sizes that do not fit its context are dropped or cut, noted."""
+    plan = QUICK if quick else BenchPlan()
+    if repeats is not None:
+        plan = replace(plan, repeats=repeats)
+    room = context_length - 256  # a prompt must leave room for its answer and a follow-up
+    notes: list[str] = []
+    lengths = tuple(n for n in plan.prefill_lengths if n <= context_length - 1)
+    sweep = tuple(n for n in plan.sweep_lengths if n <= room)
+    if lengths != plan.prefill_lengths or sweep != plan.sweep_lengths:
+        notes.append(f"lengths beyond the model's context ({context_length}) were dropped")
+    doc = min(plan.doc_tokens, room - plan.rounds * (plan.answer_tokens + 48))
+    ingest = min(plan.w3_ingest_tokens, room)
+    if doc != plan.doc_tokens or ingest != plan.w3_ingest_tokens:
+        notes.append(f"documents were cut to fit the model's context ({context_length})")
+    return replace(
+        plan,
+        prefill_lengths=lengths or (min(128, context_length - 1),),
+        decode_prompt=min(plan.decode_prompt, room),
+        sweep_lengths=sweep or (max(64, room // 2),),
+        doc_tokens=max(32, doc),
+        w3_ingest_tokens=max(32, ingest),
+        notes=tuple(notes),
+    )
+
+
+@dataclass
+class BenchContext:
+    """What the workloads need: the model, the engines, the plan, a progress line."""
+
+    model: object  # kvchat.model.loader.LoadedModel
+    plan: BenchPlan
+    kvchat: KvchatPeer
+    chat_peers: dict[str, object] = field(default_factory=dict)  # name -> peer with .chat()
+    speed_peers: dict[str, object] = field(default_factory=dict)  # name -> .speed()/.batch()
+    progress: Callable[[str], None] = lambda _m: None
+
+
+# ---- running and summarizing ---------------------------------------------------------------
+
+
+def _repeat(ctx: BenchContext, workload: str, runs: dict[str, Callable[[], dict]]) -> dict:
+    """Run each engine's function `repeats` times, interleaved; keep errors, not tracebacks."""
+    out: dict = {"engines": {}, "not_applicable": {}, "errors": {}}
+    live = dict(runs)
+    for r in range(ctx.plan.repeats):
+        for name, fn in list(live.items()):
+            ctx.progress(f"{workload}: {name}, run {r + 1} of {ctx.plan.repeats}...")
+            start = time.perf_counter()
+            try:
+                result = fn()
+            except NotApplicable as exc:
+                out["not_applicable"][name] = str(exc)
+                del live[name]
+                continue
+            except Exception as exc:  # one engine failing must not lose the others' numbers
+                ctx.progress("".join(traceback.format_exception(exc)).rstrip())
+                out["errors"][name] = f"{type(exc).__name__}: {exc}"
+                del live[name]
+                continue
+            result["run_s"] = time.perf_counter() - start
+            out["engines"].setdefault(name, {"runs": []})["runs"].append(result)
+    for entry in out["engines"].values():
+        entry["median"] = median_of_runs(entry["runs"])
+    return out
+
+
+def median_of_runs(runs: list) -> object:
+    """Medians of every number across runs, recursively (lists element by element)."""
+    first = runs[0]
+    if isinstance(first, bool) or not isinstance(first, int | float | dict | list):
+        return first
+    if isinstance(first, int | float):
+        return statistics.median(runs)
+    if isinstance(first, dict):
+        keys = [k for k in first if all(isinstance(r, dict) and k in r for r in runs)]
+        return {k: median_of_runs([r[k] for r in runs]) for k in keys}
+    if all(isinstance(r, list) and len(r) == len(first) for r in runs):
+        return [median_of_runs([r[i] for r in runs]) for i in range(len(first))]
+    return first
+
+
+# ---- speed -----------------------------------------------------------------------------------
+
+
+def run_speed(ctx: BenchContext) -> dict:
+    """Prefill (last token's logits) and batch-1 decode rates, plus the bandwidth bound."""
+    plan, model = ctx.plan, ctx.model
+    ids = docs.code_ids(model, max(*plan.prefill_lengths, plan.decode_prompt))
+    device = model.transformer.device.type
+    bandwidth = [
+        memory_bandwidth_gbs(plan.bandwidth_bytes, device=device) for _ in range(plan.repeats)
+    ]
+
+    def one(peer) -> Callable[[], dict]:
+        def run() -> dict:
+            s = peer.speed(ids, plan.prefill_lengths, plan.decode_prompt, plan.decode_tokens)
+            return {
+                "prefill_tok_s": {str(n): v for n, v in s.prefill_tok_s.items()},
+                "decode_tok_s": s.decode_tok_s,
+            }
+
+        return run
+
+    engines = {"kvchat": one(ctx.kvchat)} | {n: one(p) for n, p in ctx.speed_peers.items()}
+    out = _repeat(ctx, "speed", engines)
+    gbs = statistics.median(bandwidth)
+    wbytes = weight_bytes_per_token(model.transformer)
+    out["memory_bandwidth_gbs"] = {"runs": bandwidth, "median": gbs}
+    out["weight_bytes_per_token"] = wbytes
+    out["decode_bound_tok_s"] = gbs * 1e9 / wbytes
+    for name, entry in out["engines"].items():
+        peer_bytes = getattr(ctx.speed_peers.get(name), "weight_bytes", None)
+        streamed = peer_bytes() if callable(peer_bytes) else wbytes
+        entry["weight_bytes_per_token"] = streamed
+        entry["bandwidth_fraction"] = entry["median"]["decode_tok_s"] * streamed / (gbs * 1e9)
+    out["prompt_lengths"] = list(plan.prefill_lengths)
+    out["decode"] = {"prompt": plan.decode_prompt, "tokens": plan.decode_tokens}
+    return out
+
+
+# ---- W1: switching between sessions with long documents ----------------------------------
+
+
+def _turn_record(session: int, turn: int, r: TurnResult) -> dict:
+    return {
+        "session": session,
+        "turn": turn,
+        "ttft_s": r.ttft_s,
+        "total_s": r.total_s,
+        "prompt_tokens": r.prompt_tokens,
+        "prefilled_tokens": r.prefilled_tokens,
+        "new_tokens": r.new_tokens,
+        "generated_tokens": r.generated_tokens,
+        "engine_ttft_s": r.engine_ttft_s,
+    }
+
+
+def w1_once(chat: ChatEngine, openers: list[str], plan: BenchPlan) -> dict:
+    """DESIGN.md's W1 on one engine: documents first, then round-robin follow-ups."""
+    sessions = [chat.new_session() for _ in openers]
+    turns: list[dict] = []
+    start = time.perf_counter()
+    for i, (session, text) in enumerate(zip(sessions, openers, strict=True)):
+        turns.append(_turn_record(i, 1, chat.turn(session, text, plan.answer_tokens)))
+    for r in range(plan.rounds):
+        question = docs.FOLLOW_UPS[r % len(docs.FOLLOW_UPS)]
+        for i, session in enumerate(sessions):
+            turns.append(_turn_record(i, r + 2, chat.turn(session, question, plan.answer_tokens)))
+    total = time.perf_counter() - start
+    follow = [t for t in turns if t["turn"] > 1]
+    return {
+        "total_s": total,
+        "ttft_first_turn_s": statistics.median(t["ttft_s"] for t in turns if t["turn"] == 1),
+        "ttft_follow_up_s": statistics.median(t["ttft_s"] for t in follow) if follow else 0.0,
+        "ttft_follow_up_max_s": max((t["ttft_s"] for t in follow), default=0.0),
+        "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
+        "prefilled_tokens": sum(t["prefilled_tokens"] for t in turns),
+        "prefilled_follow_up_tokens": sum(t["prefilled_tokens"] for t in follow),
+        # the claim: a follow-up computes its new tokens plus the one that ended the last reply
+        "follow_up_excess_prefill": max(
+            (t["prefilled_tokens"] - t["new_tokens"] for t in follow), default=0
+        ),
+        "ttft_per_turn_s": [t["ttft_s"] for t in turns],
+        "turns": turns,
+    }
+
+
+def _w1_capacity(ctx: BenchContext, openers: list[str]) -> int:
+    plan = ctx.plan
+    per_turn = plan.answer_tokens + 48
+    return sum(
+        len(docs.user_prompt_ids(ctx.model, o)) + (plan.rounds + 1) * per_turn for o in openers
+    )
+
+
+def _chat_run(make_chat: Callable[[], ChatEngine], body: Callable[[ChatEngine], dict]):
+    def run() -> dict:
+        chat = make_chat()
+        try:
+            return body(chat)
+        finally:
+            chat.close()
+
+    return run
+
+
+def run_w1(ctx: BenchContext) -> dict:
+    plan = ctx.plan
+    openers = docs.w1_openers(ctx.model.tokenizer, plan.doc_tokens)
+    capacity = _w1_capacity(ctx, openers)
+    engines = {
+        name: _chat_run(lambda p=peer: p.chat(capacity), lambda c: w1_once(c, openers, plan))
+        for name, peer in [("kvchat", ctx.kvchat), *ctx.chat_peers.items()]
+    }
+    out = _repeat(ctx, "W1", engines)
+    out["documents"] = {"files": list(docs.W1_FILES), "tokens_each": plan.doc_tokens}
+    out["rounds"] = plan.rounds
+    out["answer_tokens"] = plan.answer_tokens
+    base = out["engines"].get("kvchat", {}).get("median", {}).get("total_s")
+    for entry in out["engines"].values():
+        if base:
+            entry["total_vs_kvchat"] = entry["median"]["total_s"] / base
+    return out
+
+
+# ---- the switch-cost sweep ---------------------------------------------------------------
+
+
+def sweep_once(peer, histories: dict[int, tuple[str, str]], answer: int) -> dict:
+    """Per length: A with its history, B with its own (switch away), then A again."""
+    points = []
+    for length, (text_a, text_b) in histories.items():
+        chat = peer.chat(2 * (length + 4 * answer + 128))
+        try:
+            a = chat.new_session()
+            first = chat.turn(a, text_a, answer)
+            b = chat.new_session()
+            chat.turn(b, text_b, answer)
+            back = chat.turn(a, docs.FOLLOW_UPS[0], answer)
+        finally:
+            chat.close()
+        points.append(
+            {
+                "length": length,
+                "history_tokens": first.prompt_tokens + first.generated_tokens,
+                "ttft_s": back.ttft_s,
+                "prefilled_tokens": back.prefilled_tokens,
+                "first_turn_ttft_s": first.ttft_s,
+            }
+        )
+    return {"points": points, "ttft_s": [p["ttft_s"] for p in points]}
+
+
+def run_sweep(ctx: BenchContext) -> dict:
+    a_file, b_file = docs.SWEEP_FILES
+    histories = {
+        n: (docs.history_of(ctx.model, a_file, n), docs.history_of(ctx.model, b_file, n))
+        for n in ctx.plan.sweep_lengths
+    }
+    answer = ctx.plan.sweep_answer_tokens
+    engines = {
+        name: (lambda p=peer: sweep_once(p, histories, answer))
+        for name, peer in [("kvchat", ctx.kvchat), *ctx.chat_peers.items()]
+    }
+    out = _repeat(ctx, "sweep", engines)
+    out["lengths"] = list(ctx.plan.sweep_lengths)
+    return out
+
+
+# ---- W2: concurrency -------------------------------------------------------------------------
+
+
+def run_w2(ctx: BenchContext) -> dict:
+    plan = ctx.plan
+    questions = [docs.W2_QUESTIONS[i % len(docs.W2_QUESTIONS)] for i in range(plan.w2_sessions)]
+    prompts = [docs.user_prompt_ids(ctx.model, q) for q in questions]
+
+    def one(peer) -> Callable[[], dict]:
+        def run() -> dict:
+            b = peer.batch(prompts, plan.w2_tokens)
+            return {"decode_tok_s": b.decode_tok_s, "wall_s": b.wall_s, "wall_tok_s": b.wall_tok_s}
+
+        return run
+
+    engines = {"kvchat": one(ctx.kvchat)} | {n: one(p) for n, p in ctx.speed_peers.items()}
+    out = _repeat(ctx, "W2", engines)
+    out["sessions"] = plan.w2_sessions
+    out["tokens_each"] = plan.w2_tokens
+    return out
+
+
+# ---- W3: interference of a long ingest with running streams -------------------------------
+
+
+def run_w3(ctx: BenchContext) -> dict:
+    plan, model = ctx.plan, ctx.model
+    streams = [docs.user_prompt_ids(model, q) for q in docs.W3_QUESTIONS]
+    code = docs.first_tokens(
+        docs.stdlib_text(docs.W3_INGEST_FILE), model.tokenizer, plan.w3_ingest_tokens
+    )
+    ingest = docs.user_prompt_ids(model, docs.fenced(code, docs.SUMMARY_QUESTION))
+
+    def run() -> dict:
+        result = ctx.kvchat.interference(streams, ingest, plan.w3_baseline_tokens)
+        alone = result["itl_p99_alone_s"]
+        result["p99_ratio"] = result["itl_p99_ingest_s"] / alone if alone else 0.0
+        return result
+
+    out = _repeat(ctx, "W3", {"kvchat": run})
+    for name in [*ctx.chat_peers, *ctx.speed_peers]:
+        out["not_applicable"][name] = SERIAL_ONLY
+    out["streams"] = len(streams)
+    return out
+
+
+# ---- W4: a device cache smaller than the working set --------------------------------------
+
+
+def run_w4(ctx: BenchContext) -> dict:
+    """W1 with the device cache at half its working set: host tier on, off; all on device."""
+    plan, peer = ctx.plan, ctx.kvchat
+    openers = docs.w1_openers(ctx.model.tokenizer, plan.doc_tokens)
+    capacity = _w1_capacity(ctx, openers)
+    page_bytes = peer.page_bytes()
+    sizing: dict[str, int] = {}
+
+    def configured(device_bytes: int | None, host_bytes: int | None, measure: bool = False):
+        def body(chat) -> dict:
+            result = w1_once(chat, openers, plan)
+            stats = chat.stats()
+            if measure and not sizing:
+                lengths = chat.working_set_tokens()
+                pages = sum(math.ceil(n / peer.page_size) for n in lengths)
+                biggest = max(math.ceil(n / peer.page_size) for n in lengths)
+                sizing["working_set_pages"] = pages
+                sizing["device_pages"] = max(math.ceil(pages / 2), biggest + 2)
+            return {
+                "total_s": result["total_s"],
+                "ttft_follow_up_s": result["ttft_follow_up_s"],
+                "hit_rate": stats.hit_rate,
+                "prompt_tokens": stats.prompt_tokens,
+                "cached_device_tokens": stats.cached_tokens.device,
+                "cached_host_tokens": stats.cached_tokens.host,
+                "prefilled_tokens": stats.prefilled_tokens,
+                "recomputed_tokens": stats.recomputed_tokens,
+                "device_pages": stats.pages["device"].capacity,
+                "host_pages": stats.pages["host"].capacity,
+                "evictions": {
+                    "device_to_host": stats.evictions.device_to_host,
+                    "host_dropped": stats.evictions.host_dropped,
+                    "device_dropped": stats.evictions.device_dropped,
+                },
+            }
+
+        return _chat_run(
+            lambda: peer.chat(capacity, device_bytes=device_bytes, host_bytes=host_bytes), body
+        )
+
+    def half(host: bool) -> Callable[[], dict]:
+        def run() -> dict:
+            if not sizing:  # the all-on-device run measures the working set first
+                configured(None, 0, measure=True)()
+            device = sizing["device_pages"] * page_bytes
+            host_bytes = (sizing["working_set_pages"] + 8) * page_bytes if host else 0
+            return configured(device, host_bytes)()
+
+        return run
+
+    everything = (math.ceil(capacity / peer.page_size) + 8) * page_bytes
+    engines = {
+        "all on device": configured(everything, 0, measure=True),
+        "half, host tier on": half(True),
+        "half, host tier off": half(False),
+    }
+    out = _repeat(ctx, "W4", engines)
+    out.update(sizing)
+    out["page_size"] = peer.page_size
+    for name in ctx.chat_peers:
+        out["not_applicable"][name] = W4_ONLY
+    return out
+
+
+WORKLOADS: dict[str, Callable[[BenchContext], dict]] = {
+    "speed": run_speed,
+    "W1": run_w1,
+    "sweep": run_sweep,
+    "W2": run_w2,
+    "W3": run_w3,
+    "W4": run_w4,
+}

@@ -1,0 +1,76 @@
+"""Keep a GGUF's 4-bit matrices 4-bit: build `Int4Linear`s straight from its blocks.
+
+Q4_0, Q4_1 and Q4_K matrices become int4 groups of 32 without requantizing (see
+`quantized_linear.py`); the q/k rows get llama.cpp's rotary permutation undone
+exactly as the dequantizing path does. A fused group (q/k/v, gate/up) is kept
+4-bit only when all its parts are 4-bit; otherwise it stays dense (correct, and
+mixed files such as Q4_K_M keep their higher-precision tensors as they are).
+A Q8_0 LM head (or tied embedding) is multiplied through the int8 kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvchat.model.config import ModelConfig
+from kvchat.model.gguf_convert import undo_llama_cpp_permute
+from kvchat.model.gguf_dequant import dequantize, unpack_q4
+from kvchat.model.gguf_file import GGMLType, GGUFFile
+from kvchat.model.linear import Linear
+from kvchat.model.quantized_linear import Int4Linear, Int8Linear, int4_supported
+
+FOUR_BIT = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K)
+
+_GROUPS = {
+    "self_attn.qkv_proj": (("attn_q", "q"), ("attn_k", "k"), ("attn_v", "v")),
+    "self_attn.o_proj.weight": (("attn_output", None),),
+    "mlp.gate_up_proj": (("ffn_gate", None), ("ffn_up", None)),
+    "mlp.down_proj.weight": (("ffn_down", None),),
+}
+
+
+def quantized_linears(
+    gguf: GGUFFile,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    dense: dict[str, torch.Tensor] | None,
+) -> dict[str, Linear]:
+    """HF-named `Linear`s for the 4-bit matrices; `dense` (HF names) gives prefill copies."""
+    permute = gguf.metadata.get("general.architecture") == "llama"
+    heads = {"q": config.num_heads, "k": config.num_kv_heads}
+    hf_parts = {
+        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    }
+    out: dict[str, Linear] = {}
+    for i in range(config.num_layers):
+        for target, parts in _GROUPS.items():
+            infos = [gguf.tensors.get(f"blk.{i}.{name}.weight") for name, _ in parts]
+            if any(info is None or info.ggml_type not in FOUR_BIT for info in infos):
+                continue
+            rows = sum(info.shape[0] for info in infos)
+            if not int4_supported(torch.device("cpu"), infos[0].shape[1], rows):
+                continue
+            blocks = []
+            for (_, kind), info in zip(parts, infos, strict=True):
+                b = unpack_q4(gguf.raw(info.name), info.ggml_type, info.shape)
+                codes, scales, offsets = b.codes, b.scales, b.offsets
+                if permute and kind in heads:
+                    n = heads[kind]
+                    codes, scales, offsets = (undo_llama_cpp_permute(t, n) for t in (codes, scales, offsets))
+                blocks.append((codes, scales, offsets))
+            prefix = f"model.layers.{i}."
+            names = [f"{prefix}{p}.weight" for p in hf_parts.get(target, (target.removesuffix(".weight"),))]
+            bias_names = [n.replace(".weight", ".bias") for n in names]
+            bias = None
+            if dense is not None and all(b in dense for b in bias_names):
+                bias = torch.cat([dense[b] for b in bias_names])
+            dense_copy = None
+            if dense is not None and all(n in dense for n in names):
+                dense_copy = torch.cat([dense[n] for n in names]) if len(names) > 1 else dense[names[0]]
+            out[prefix + target] = Int4Linear.fused(blocks, dtype, bias=bias, dense=dense_copy)
+    head = gguf.tensors.get("output.weight") or gguf.tensors.get("token_embd.weight")
+    if head is not None and head.ggml_type == GGMLType.Q8_0:
+        weight = dequantize(gguf.raw(head.name), head.ggml_type, head.shape)
+        out["lm_head"] = Int8Linear(weight, dtype)
+    return out

@@ -1,0 +1,193 @@
+"""Weight-only quantized linear layers: 4-bit groups of 32 and 8-bit per channel.
+
+Decode at batch 1 is bound by streaming the weights from memory, so fewer bytes a
+weight is more tokens a second: torch's CPU kernels `_weight_int4pack_mm_for_cpu`
+(groups of 32, a scale and a zero per group) and `_weight_int8pack_mm` (a scale
+per output channel) read 4 and 8 bits a weight instead of 16.
+
+GGUF Q4_0/Q4_1/Q4_K blocks map onto int4 groups of 32 without requantizing:
+tinygemm dequantizes `w = (q - 8) * scale + zero`, GGUF `w = q * scale + offset`,
+so `zero = offset + 8 * scale`; only the scales' rounding to the activation dtype
+differs from the dequantized weights.
+
+Large batches (prefill) are compute-bound, where the int kernels are slower than
+a dense bf16 matmul; a layer may keep a dense copy (`dense`) for batches of more
+than `DENSE_FROM_TOKENS` rows, trading memory for prefill speed (the README says
+how much).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GROUP_SIZE = 32
+INNER_K_TILES = 2
+DENSE_FROM_TOKENS = 32  # rows at which a dense copy (when kept) beats the int kernels
+
+
+def int4_supported(device: torch.device, in_features: int, out_features: int) -> bool:
+    """torch's int4 CPU kernel: CPU only, K a multiple of the group, N a multiple of 16.
+
+    On CUDA kvchat falls back to dense (dequantized) weights: correct everywhere, and
+    a GPU has the bandwidth that makes 4-bit streaming matter less.
+    """
+    return (
+        device.type == "cpu"
+        and hasattr(torch, "_weight_int4pack_mm_for_cpu")
+        and in_features % GROUP_SIZE == 0
+        and out_features % 16 == 0
+    )
+
+
+class Int4Linear:
+    """W [N, K] as 4-bit codes with a bf16/fp32 scale and zero per group of 32 columns."""
+
+    __slots__ = ("bias", "dense", "in_features", "out_features", "packed", "scale_zeros")
+
+    def __init__(
+        self,
+        codes: torch.Tensor,  # [N, K] integers in 0..15
+        scales: torch.Tensor,  # [N, K / 32]
+        offsets: torch.Tensor,  # [N, K / 32]: w = code * scale + offset
+        dtype: torch.dtype,
+        *,
+        bias: torch.Tensor | None = None,
+        dense: torch.Tensor | None = None,
+    ):
+        self.out_features, self.in_features = codes.shape
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), INNER_K_TILES
+        )
+        zeros = offsets + 8.0 * scales
+        self.scale_zeros = (
+            torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+        )  # [K / 32, N, 2]
+        self.bias = bias
+        self.dense = dense
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> Int4Linear:
+        """Rebuild from `state()` (the prepared-weights cache) without repacking."""
+        self = cls.__new__(cls)
+        self.packed = state["packed"]
+        self.scale_zeros = state["scale_zeros"]
+        self.bias = state.get("bias")
+        self.dense = state.get("dense")
+        self.out_features = self.scale_zeros.shape[1]
+        self.in_features = self.scale_zeros.shape[0] * GROUP_SIZE
+        return self
+
+    def state(self) -> dict[str, torch.Tensor]:
+        out = {"packed": self.packed, "scale_zeros": self.scale_zeros}
+        if self.bias is not None:
+            out["bias"] = self.bias
+        if self.dense is not None:
+            out["dense"] = self.dense
+        return out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= DENSE_FROM_TOKENS:
+            return F.linear(x, self.dense, self.bias)
+        y = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scale_zeros)
+        return y if self.bias is None else y + self.bias
+
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scale_zeros.numel() * self.scale_zeros.element_size()
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weight this layer multiplies by (for tests and fallbacks)."""
+        eye = torch.eye(self.in_features, dtype=self.scale_zeros.dtype)
+        return torch._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP_SIZE, self.scale_zeros).t()
+
+    @classmethod
+    def fused(cls, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dtype, **kw) -> Int4Linear:
+        """Several projections of the same input stacked by rows into one weight."""
+        codes, scales, offsets = (torch.cat([p[i] for p in parts], dim=0) for i in range(3))
+        return cls(codes, scales, offsets, dtype, **kw)
+
+
+class Int8Linear:
+    """W [N, K] as int8 with one scale per output channel (round to nearest)."""
+
+    __slots__ = ("bias", "dense", "in_features", "out_features", "q", "scales")
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, *, bias=None, dense=None):
+        self.out_features, self.in_features = weight.shape
+        w = weight.float()
+        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N]
+        self.q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+        self.scales = scales.to(dtype)
+        self.bias = bias
+        self.dense = dense
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> Int8Linear:
+        self = cls.__new__(cls)
+        self.q = state["q"]
+        self.scales = state["scales"]
+        self.bias = state.get("bias")
+        self.dense = state.get("dense")
+        self.out_features, self.in_features = self.q.shape
+        return self
+
+    def state(self) -> dict[str, torch.Tensor]:
+        out = {"q": self.q, "scales": self.scales}
+        if self.bias is not None:
+            out["bias"] = self.bias
+        if self.dense is not None:
+            out["dense"] = self.dense
+        return out
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= DENSE_FROM_TOKENS:
+            return F.linear(x, self.dense, self.bias)
+        y = torch._weight_int8pack_mm(x, self.q, self.scales.to(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * self.scales.element_size()
+
+
+def quantize_int4_rtn(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-wise asymmetric round-to-nearest: (codes, scales, offsets) for `Int4Linear`."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((hi - lo) / 15.0).clamp(min=1e-12)  # [N, K/32]
+    codes = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15)
+    return codes.reshape(n, k).to(torch.uint8), scales, lo
+
+
+_KINDS = {"int4": Int4Linear, "int8": Int8Linear}
+
+
+def save_linears(path, linears: dict[str, Int4Linear | Int8Linear]) -> None:
+    """Cache prepared quantized layers (packing is slow; loading a file is not)."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
+    for name, linear in linears.items():
+        kinds[name] = "int4" if isinstance(linear, Int4Linear) else "int8"
+        for key, t in linear.state().items():
+            tensors[f"{name}::{key}"] = t.contiguous()
+    partial = path.with_suffix(".partial")
+    import json
+
+    save_file(tensors, str(partial), metadata={"kinds": json.dumps(kinds)})
+    partial.replace(path)
+
+
+def load_linears(path) -> dict[str, Int4Linear | Int8Linear]:
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        kinds = json.loads(f.metadata()["kinds"])
+        states: dict[str, dict[str, torch.Tensor]] = {n: {} for n in kinds}
+        for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
+            name, _, part = key.partition("::")
+            states[name][part] = f.get_tensor(key)
+    return {name: _KINDS[kinds[name]].from_state(states[name]) for name in kinds}

@@ -1,0 +1,936 @@
+"""`KvchatApp`: the Textual application over one `SessionService`.
+
+Threads (harlequin's and toolong's rule): the engine and the service run on
+their own threads and never touch a widget. Service events arrive on the
+service's worker thread; reply text goes into a `StreamBuffer` and everything
+else is posted to the UI as a `ServiceEvent` message. The UI drains the visible
+session's text at 25 Hz (`FLUSH_HZ`, with a final flush when a reply ends) and
+refreshes the meters from `engine.stats()` snapshots at 4 Hz (`METERS_HZ`).
+Anything that can wait on the engine's lock (residency, prefetch) runs in a
+thread worker, so a switch never waits for the engine.
+
+The model loads in a thread worker behind `StartupScreen`; a `KvchatError`
+from it shows `FailedStartScreen`. Every action catches `KvchatError` and shows
+its message as a notification; anything else is logged to the error log and
+reported in one line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from textual import work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.command import SimpleCommand
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Footer
+
+from kvchat.chat.engine_port import Residency
+from kvchat.chat.error_log import log_exception
+from kvchat.chat.events import (
+    ChatEvent,
+    ReplyDelta,
+    ReplyFinished,
+    ReplyStarted,
+    SessionArchived,
+    SessionChanged,
+    SessionCreated,
+    SessionDeleted,
+    SessionFailed,
+    SessionNotice,
+    SessionRenamed,
+)
+from kvchat.chat.service import SessionService
+from kvchat.chat.session import MessageView, SessionView
+from kvchat.chat.settings import Settings, save_setting
+from kvchat.chat.store import Store
+from kvchat.engine.request import SamplingParams
+from kvchat.errors import KvchatError
+from kvchat.paths import app_paths
+from kvchat.tui.backend import BackendFactory, TuiBackend
+from kvchat.tui.composer import Composer
+from kvchat.tui.keys import APP_KEYS, bindings, check_keymap, keys_for
+from kvchat.tui.meters import Meters
+from kvchat.tui.screens import (
+    FailedStartScreen,
+    HelpScreen,
+    StartupScreen,
+    TextDialog,
+)
+from kvchat.tui.sidebar import SessionList, SessionRow
+from kvchat.tui.stream_buffer import StreamBuffer
+from kvchat.tui.themes import DEFAULT_THEME, load_themes
+from kvchat.tui.transcript import Transcript
+
+FLUSH_HZ = 25
+METERS_HZ = 4
+RESIDENCY_ALL_EVERY_S = 5.0
+NEW_TITLE = "New chat"
+MAX_ATTACH_BYTES = 2_000_000
+
+CSS = """
+#body { height: 1fr; }
+#sidebar { width: 34; border: round $panel-lighten-2; border-title-color: $primary; }
+#main { width: 1fr; }
+#transcript { height: 1fr; border: round $panel-lighten-2; border-title-color: $primary;
+              border-subtitle-color: $warning; padding: 0 1; }
+#composer { height: auto; min-height: 3; max-height: 12; border: round $primary; }
+#composer.-editing { border: round $warning; }
+#meters { width: 34; border: round $panel-lighten-2; border-title-color: $primary;
+          padding: 0 1; }
+.session-row { padding: 0 1; margin-bottom: 1; height: auto; }
+.session-row.-current { background: $boost; border-left: thick $primary; }
+.session-row.-unread { text-style: bold; }
+.message { height: auto; margin-bottom: 1; }
+.message-header { color: $text-muted; text-style: bold; }
+.message.-user .message-header { color: $primary; }
+.message.-assistant .message-header { color: $secondary; }
+.message.-interrupted .message-header, .message.-error .message-header { color: $error; }
+.message.-cancelled .message-header { color: $warning; }
+.message-body { margin: 0; padding: 0; }
+.message-body > MarkdownBlock:last-child { margin-bottom: 0; }
+.empty, .earlier { color: $text-muted; padding: 1 0; }
+.meter-label { color: $primary; text-style: bold; margin-top: 1; }
+.meter-note { color: $text-muted; margin-top: 1; }
+#meter-eviction-rate { height: 2; }
+StartupScreen, FailedStartScreen { align: center middle; }
+#startup, #failed { width: 80%; height: auto; max-height: 80%; border: round $primary;
+                    padding: 1 2; }
+#startup-log { height: 12; }
+StartupScreen LoadingIndicator { height: 3; }
+#failed { border: round $error; }
+#failed-title { color: $error; text-style: bold; }
+#failed-message { margin: 1 0; }
+TextDialog, HelpScreen { align: center middle; }
+#dialog { width: 80%; height: auto; border: round $primary; padding: 1 2;
+          background: $surface; }
+#dialog TextArea { height: 10; }
+#dialog-hint { color: $text-muted; }
+#help { width: 90%; height: 80%; border: round $primary; padding: 1 2; background: $surface; }
+"""
+
+
+class ServiceEvent(Message):
+    """A service event (not a reply delta), marshalled to the UI thread."""
+
+    def __init__(self, event: ChatEvent) -> None:
+        super().__init__()
+        self.event = event
+
+
+class StartProgress(Message):
+    def __init__(self, line: str) -> None:
+        super().__init__()
+        self.line = line
+
+
+class BackendReady(Message):
+    def __init__(self, backend: TuiBackend, service: SessionService, interrupted: int) -> None:
+        super().__init__()
+        self.backend = backend
+        self.service = service
+        self.interrupted = interrupted
+
+
+class StartFailed(Message):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
+class ResidencyReady(Message):
+    def __init__(self, residencies: dict[str, Residency]) -> None:
+        super().__init__()
+        self.residencies = residencies
+
+
+def guarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Show a `KvchatError` as a notification; log anything else and say where the log is."""
+
+    def report(app: KvchatApp, exc: Exception) -> None:
+        if isinstance(exc, KvchatError):
+            app.notify(str(exc), severity="error")
+        else:
+            log_exception(f"TUI action {method.__name__} failed")
+            app.notify(
+                f"Something went wrong ({exc}); details are in {app_paths().error_log}",
+                severity="error",
+            )
+
+    if inspect.iscoroutinefunction(method):
+
+        @functools.wraps(method)
+        async def run_async(self: KvchatApp, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await method(self, *args, **kwargs)
+            except Exception as exc:
+                report(self, exc)
+                return None
+
+        return run_async
+
+    @functools.wraps(method)
+    def run(self: KvchatApp, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            report(self, exc)
+            return None
+
+    return run
+
+
+def parse_sampling(text: str, base: SamplingParams, max_tokens: int) -> tuple[SamplingParams, int]:
+    """`temperature=0.7 top_p=0.9 ... max_tokens=512` into values; KvchatError names a bad one."""
+    values: dict[str, Any] = {}
+    new_max = max_tokens
+    for part in text.replace(",", " ").split():
+        key, sep, raw = part.partition("=")
+        key = key.strip()
+        if not sep:
+            raise KvchatError(f"write name=value pairs, like temperature=0.7 (not {part!r})")
+        try:
+            if key == "max_tokens":
+                new_max = int(raw)
+                if new_max <= 0:
+                    raise ValueError
+            elif key in ("top_k",):
+                values[key] = int(raw)
+            elif key == "seed":
+                values[key] = None if raw in ("", "none", "None") else int(raw)
+            elif key in ("temperature", "top_p", "min_p", "repetition_penalty"):
+                values[key] = float(raw)
+            else:
+                raise KvchatError(
+                    f"unknown sampling parameter {key!r} (known: temperature, top_p, top_k, "
+                    "min_p, repetition_penalty, seed, max_tokens)"
+                )
+        except ValueError:
+            raise KvchatError(f"{key}: {raw!r} is not a valid value") from None
+    sampling = replace(base, **values)
+    if sampling.temperature < 0 or not 0 < sampling.top_p <= 1 or sampling.top_k < 0:
+        raise KvchatError("temperature must be >= 0, top_p in (0, 1], top_k >= 0")
+    return sampling, new_max
+
+
+def sampling_text(sampling: SamplingParams, max_tokens: int) -> str:
+    seed = "none" if sampling.seed is None else str(sampling.seed)
+    return (
+        f"temperature={sampling.temperature:g} top_p={sampling.top_p:g} top_k={sampling.top_k} "
+        f"min_p={sampling.min_p:g} repetition_penalty={sampling.repetition_penalty:g} "
+        f"seed={seed} max_tokens={max_tokens}"
+    )
+
+
+def attachment_text(path: Path) -> str:
+    """A file's text as a fenced block for the message; KvchatError when it is not text."""
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise KvchatError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if not path.is_file():
+        raise KvchatError(f"{path} is not a file")
+    if size > MAX_ATTACH_BYTES:
+        raise KvchatError(f"{path} is {size:,} bytes; attach files under {MAX_ATTACH_BYTES:,}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise KvchatError(f"{path} is not a UTF-8 text file") from None
+    except OSError as exc:
+        raise KvchatError(f"cannot read {path}: {exc.strerror or exc}") from None
+    fence = "```"
+    while fence in text:
+        fence += "`"
+    return f"File `{path.name}`:\n\n{fence}\n{text.rstrip()}\n{fence}\n"
+
+
+class KvchatApp(App[int]):
+    """Sessions, transcript, input and meters over one chat service (see the module docstring)."""
+
+    CSS = CSS
+    TITLE = "kvchat"
+    BINDINGS = bindings(APP_KEYS)
+    ENABLE_COMMAND_PALETTE = True
+    COMMAND_PALETTE_BINDING = "ctrl+backslash"  # ours has an id (command_palette)
+
+    def __init__(
+        self,
+        backend_factory: BackendFactory,
+        *,
+        settings: Settings | None = None,
+        settings_problem: str | None = None,
+        store_factory: Callable[[], Store] | None = None,
+        user_themes_dir: Path | None = None,
+    ) -> None:
+        super().__init__()
+        self.settings = settings or Settings()
+        self.backend_factory = backend_factory
+        self.store_factory = store_factory or (lambda: Store(app_paths().database))
+        self.user_themes_dir = user_themes_dir if user_themes_dir is not None else app_paths().themes_dir
+        self.problems: list[str] = [settings_problem] if settings_problem else []
+        self.keymap, key_problems = check_keymap(self.settings.keys)
+        self.problems += key_problems
+        self.set_keymap(self.keymap)
+        self.backend: TuiBackend | None = None
+        self.service: SessionService | None = None
+        self.current: str | None = None
+        self.buffer = StreamBuffer()
+        self.undo_stack: list[tuple[str, str]] = []  # (archive|delete, session id)
+        self.show_archived = False
+        self.views: dict[str, SessionView] = {}
+        self._unsubscribe: Callable[[], None] | None = None
+        self._transcript_lock = asyncio.Lock()
+        self._residency_busy = False
+        self._residency_all_at = 0.0
+        self._themes_ready = False
+        self.exit_code = 0
+        self._load_themes()
+
+    # ------------------------------------------------------------------ layout
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="body"):
+            yield SessionList(id="sidebar")
+            with Vertical(id="main"):
+                yield Transcript(id="transcript")
+                yield Composer(keymap=self.keymap, id="composer")
+            yield Meters(id="meters")
+        yield Footer()
+
+    @property
+    def sidebar(self) -> SessionList:
+        return self.query_one("#sidebar", SessionList)
+
+    @property
+    def transcript(self) -> Transcript:
+        return self.query_one("#transcript", Transcript)
+
+    @property
+    def composer(self) -> Composer:
+        return self.query_one("#composer", Composer)
+
+    @property
+    def meters(self) -> Meters:
+        return self.query_one("#meters", Meters)
+
+    # ---------------------------------------------------------------- themes
+
+    def _load_themes(self) -> None:
+        loaded = load_themes(self.user_themes_dir)
+        for theme in loaded.themes:
+            self.register_theme(theme)
+        self.problems += [f"Theme not loaded: {p}" for p in loaded.problems]
+        wanted = self.settings.theme or DEFAULT_THEME
+        if wanted not in self.available_themes:
+            self.problems.append(
+                f"Theme {wanted!r} (from the settings file) is not installed; using {DEFAULT_THEME}."
+            )
+            wanted = DEFAULT_THEME
+        if wanted in self.available_themes:
+            self.theme = wanted
+
+    def _theme_changed(self, theme: Any) -> None:
+        if not self._themes_ready or theme.name == (self.settings.theme or DEFAULT_THEME):
+            return
+        try:
+            save_setting("theme", theme.name)
+            self.settings = replace(self.settings, theme=theme.name)
+        except KvchatError as exc:
+            self.notify(f"The theme is not saved: {exc}", severity="warning")
+
+    # --------------------------------------------------------------- start-up
+
+    def on_mount(self) -> None:
+        self.theme_changed_signal.subscribe(self, self._theme_changed)
+        self._themes_ready = True
+        for problem in self.problems:
+            self.notify(problem, severity="warning", timeout=10)
+        self.push_screen(StartupScreen())
+        self._start()
+
+    @work(thread=True, exit_on_error=False, group="startup")
+    def _start(self) -> None:
+        """Thread worker: load the model, open the store, build the service."""
+        backend: TuiBackend | None = None
+        try:
+            backend = self.backend_factory(lambda line: self.post_message(StartProgress(line)))
+            store = self.store_factory()
+            chat = backend.chat
+            service = SessionService(
+                chat.engine,
+                chat.renderer,
+                store,
+                stop_token_ids=chat.stop_token_ids,
+                default_sampling=backend.default_sampling,
+                default_max_tokens=backend.default_max_tokens,
+            )
+        except KvchatError as exc:
+            self._close_backend(backend)
+            self.post_message(StartFailed(str(exc)))
+            return
+        except Exception as exc:
+            log_exception("kvchat could not start")
+            self._close_backend(backend)
+            self.post_message(
+                StartFailed(
+                    f"An unexpected error stopped the start: {exc}\n\n"
+                    f"The details are in {app_paths().error_log}; "
+                    "please include them in a bug report."
+                )
+            )
+            return
+        self.post_message(BackendReady(backend, service, store.interrupted_on_open))
+
+    @staticmethod
+    def _close_backend(backend: TuiBackend | None) -> None:
+        if backend is not None:
+            try:
+                backend.close()
+            except Exception:
+                log_exception("closing the engine after a failed start")
+
+    def on_start_progress(self, message: StartProgress) -> None:
+        if isinstance(self.screen, StartupScreen):
+            self.screen.progress(message.line)
+
+    def on_start_failed(self, message: StartFailed) -> None:
+        self.exit_code = 1
+        self._switch_screen_to(FailedStartScreen(message.text))
+
+    def _switch_screen_to(self, screen: Screen) -> None:
+        if isinstance(self.screen, StartupScreen):
+            self.switch_screen(screen)
+        else:
+            self.push_screen(screen)
+
+    async def on_backend_ready(self, message: BackendReady) -> None:
+        self.backend = message.backend
+        self.service = message.service
+        self._unsubscribe = self.service.subscribe(self._from_service)
+        if isinstance(self.screen, StartupScreen):
+            self.pop_screen()
+        self.meters.set_cache_note(message.backend.description)
+        views = self._list_views()
+        await self.sidebar.set_sessions(views)
+        recent = max(views, key=lambda v: v.updated, default=None)
+        await self.switch_to(recent.id if recent else None)
+        if message.interrupted:
+            self.notify(
+                f"{message.interrupted} repl{'y was' if message.interrupted == 1 else 'ies were'} "
+                "cut when kvchat last stopped; kept and marked interrupted.",
+                severity="warning",
+            )
+        self.set_interval(1 / FLUSH_HZ, self._flush_replies, name="flush")
+        self.set_interval(1 / METERS_HZ, self._tick_meters, name="meters")
+        self._tick_meters()
+        self.composer.focus()
+
+    async def on_unmount(self) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop listening, close the service (writes pending text) and the engine."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self.service is not None:
+            try:
+                self.service.close()
+            except Exception:
+                log_exception("closing the session service")
+            self.service = None
+        self._close_backend(self.backend)
+        self.backend = None
+
+    # ---------------------------------------------------------- service events
+
+    def _from_service(self, event: ChatEvent) -> None:
+        """Service worker thread: buffer text, post the rest; never touch a widget."""
+        if isinstance(event, ReplyDelta):
+            self.buffer.add(event.session_id, event.message_id, event.text, len(event.token_ids))
+        else:
+            self.post_message(ServiceEvent(event))
+
+    @guarded
+    async def on_service_event(self, message: ServiceEvent) -> None:
+        event = message.event
+        service = self.service
+        if service is None:
+            return
+        if isinstance(event, SessionCreated | SessionArchived | SessionDeleted):
+            await self.refresh_sessions()
+            return
+        if isinstance(event, SessionFailed):
+            self.notify(f"{self._title(event.session_id)}: {event.message}", severity="error")
+        if isinstance(event, SessionNotice) and event.session_id == self.current:
+            self.notify(event.text)
+        self._refresh_row(event.session_id)
+        if event.session_id != self.current:
+            return
+        if isinstance(event, ReplyStarted | ReplyFinished | SessionChanged | SessionRenamed):
+            async with self._transcript_lock:
+                if isinstance(event, ReplyFinished):
+                    await self._flush_unlocked()  # the final flush: no token is lost
+                await self.transcript.sync(self.current, service.messages(self.current))
+            if isinstance(event, ReplyFinished):
+                self.buffer.finish(event.message_id)
+            self._update_title()
+            if isinstance(event, ReplyFinished):
+                self._tick_meters()
+
+    def _title(self, session_id: str) -> str:
+        view = self.views.get(session_id)
+        return view.title if view else "a session"
+
+    def _list_views(self) -> list[SessionView]:
+        assert self.service is not None
+        views = self.service.list_sessions(include_archived=self.show_archived)
+        self.views = {v.id: v for v in views}
+        return views
+
+    async def refresh_sessions(self) -> None:
+        """The set of sessions changed: rebuild the sidebar; keep the current one if it lives."""
+        views = self._list_views()
+        await self.sidebar.set_sessions(views)
+        if self.current not in self.views:
+            order = self.sidebar.order
+            await self.switch_to(order[0] if order else None)
+        else:
+            self.sidebar.set_current(self.current)
+        self._request_residency(all_sessions=True)
+
+    def _refresh_row(self, session_id: str) -> None:
+        if self.service is None or session_id not in self.views:
+            return
+        try:
+            view = self.service.session(session_id)
+        except KvchatError:
+            return
+        self.views[session_id] = view
+        self.sidebar.update_view(view)
+
+    # --------------------------------------------------------------- timers
+
+    async def _flush_replies(self) -> None:
+        async with self._transcript_lock:
+            await self._flush_unlocked()
+
+    async def _flush_unlocked(self) -> None:
+        """Show the visible session's buffered text; drop hidden sessions' (a switch re-reads)."""
+        chunks = self.buffer.take(self.current or "")
+        if not chunks or self.service is None or self.current is None:
+            return
+        for chunk in chunks:
+            if not await self.transcript.append(chunk):
+                await self.transcript.sync(self.current, self.service.messages(self.current))
+                await self.transcript.append(chunk)
+
+    def _tick_meters(self) -> None:
+        """4 Hz: meters from a stats snapshot, busy sessions' rows, residency in a thread."""
+        service = self.service
+        if service is None:
+            return
+        for session_id, view in list(self.views.items()):
+            if view.state != "idle" or session_id == self.current:
+                self._refresh_row(session_id)
+        view = self.views.get(self.current) if self.current else None
+        rate = self.buffer.session_rate(self.current) if self.current else None
+        self.meters.update_meters(service.engine.stats(), view, rate)
+        now = time.monotonic()
+        self._request_residency(all_sessions=now - self._residency_all_at > RESIDENCY_ALL_EVERY_S)
+
+    def _request_residency(self, *, all_sessions: bool) -> None:
+        if self._residency_busy or self.service is None:
+            return
+        if all_sessions:
+            self._residency_all_at = time.monotonic()
+            ids = list(self.views)
+        else:
+            ids = [s for s, v in self.views.items() if v.state != "idle" or s == self.current]
+        if ids:
+            self._residency_busy = True
+            self._compute_residency(self.service, ids)
+
+    @work(thread=True, exit_on_error=False, group="residency")
+    def _compute_residency(self, service: SessionService, ids: list[str]) -> None:
+        out: dict[str, Residency] = {}
+        try:
+            for session_id in ids:
+                try:
+                    out[session_id] = service.residency(session_id)
+                except KvchatError:
+                    continue  # deleted meanwhile
+        finally:
+            self.post_message(ResidencyReady(out))
+
+    def on_residency_ready(self, message: ResidencyReady) -> None:
+        self._residency_busy = False
+        rows = self.sidebar.rows()
+        for session_id, residency in message.residencies.items():
+            if session_id in rows:
+                rows[session_id].set_residency(residency)
+
+    # -------------------------------------------------------------- switching
+
+    async def switch_to(self, session_id: str | None) -> None:
+        """Render the chosen session at once from the service's snapshot; prefetch in a thread."""
+        self.current = session_id
+        self.sidebar.set_current(session_id)
+        self.composer.set_editing(False)
+        async with self._transcript_lock:
+            messages = self.service.messages(session_id) if self.service and session_id else []
+            await self.transcript.show(session_id, messages)
+        self._update_title()
+        if session_id is not None and self.service is not None:
+            self._focus_session(self.service, session_id)
+
+    @work(thread=True, exit_on_error=False, group="focus")
+    def _focus_session(self, service: SessionService, session_id: str) -> None:
+        try:
+            service.focus(session_id)  # clears unread, tells the engine to prefetch its pages
+        except KvchatError:
+            pass
+
+    def _update_title(self) -> None:
+        view = self.views.get(self.current) if self.current else None
+        if view is None and self.current and self.service is not None:
+            view = self.service.session(self.current)
+        self.transcript.border_title = view.title if view else "kvchat"
+        self.transcript.border_subtitle = view.notice if view and view.notice else None
+
+    def _require_current(self) -> str:
+        if self.current is None or self.service is None:
+            raise KvchatError("there is no session: press ctrl+n to start one")
+        return self.current
+
+    def on_session_row_selected(self, message: SessionRow.Selected) -> None:
+        self.run_worker(self.switch_to(message.session_id), group="switch")
+
+    # ---------------------------------------------------------------- sending
+
+    @guarded
+    async def on_composer_submitted(self, message: Composer.Submitted) -> None:
+        if self.service is None:
+            return
+        if self.current is None:
+            await self.action_new_session()
+        session_id = self._require_current()
+        text = message.text
+        if self.composer.editing:
+            self.service.edit_last_user_message(session_id, text)
+            self.composer.set_editing(False)
+        else:
+            self.service.say(session_id, text)
+            view = self.views.get(session_id)
+            if view is not None and view.title == NEW_TITLE:
+                self.service.rename(session_id, _title_from(text))
+        self.composer.clear()
+
+    # ---------------------------------------------------------------- actions
+
+    @guarded
+    async def action_new_session(self) -> None:
+        if self.service is None:
+            return
+        session_id = self.service.create_session(NEW_TITLE)
+        self.views[session_id] = self.service.session(session_id)
+        await self.refresh_sessions()
+        await self.switch_to(session_id)
+        self.composer.focus()
+
+    def _step(self, delta: int) -> str | None:
+        order = self.sidebar.order
+        if not order:
+            return None
+        if self.current not in order:
+            return order[0]
+        return order[(order.index(self.current) + delta) % len(order)]
+
+    @guarded
+    async def action_previous_session(self) -> None:
+        target = self._step(-1)
+        if target is not None and target != self.current:
+            await self.switch_to(target)
+
+    @guarded
+    async def action_next_session(self) -> None:
+        target = self._step(+1)
+        if target is not None and target != self.current:
+            await self.switch_to(target)
+
+    @guarded
+    async def action_jump(self, n: int) -> None:
+        order = self.sidebar.order
+        if 1 <= n <= len(order) and order[n - 1] != self.current:
+            await self.switch_to(order[n - 1])
+
+    @guarded
+    def action_stop(self) -> None:
+        if self.composer.editing:
+            self.composer.set_editing(False)
+            self.composer.clear()
+            return
+        if self.current is not None and self.service is not None:
+            self.service.stop(self.current)
+
+    @guarded
+    def action_regenerate(self) -> None:
+        self.service.regenerate(self._require_current())  # type: ignore[union-attr]
+
+    @guarded
+    def action_edit_resend(self) -> None:
+        session_id = self._require_current()
+        assert self.service is not None
+        users = [m for m in self.service.messages(session_id) if m.role == "user"]
+        if not users:
+            raise KvchatError("there is no message of yours to edit")
+        self.composer.load_text(users[-1].content)
+        self.composer.set_editing(True)
+        self.composer.focus()
+
+    @guarded
+    def action_rename(self) -> None:
+        session_id = self._require_current()
+        view = self.views[session_id]
+
+        def done(title: str | None) -> None:
+            if title and title.strip() and self.service is not None:
+                self.service.rename(session_id, title.strip())
+                self._update_title()
+
+        self.push_screen(TextDialog("Rename the session", view.title), done)
+
+    @guarded
+    def action_archive(self) -> None:
+        session_id = self._require_current()
+        assert self.service is not None
+        archived = self.views[session_id].archived
+        self.service.set_archived(session_id, not archived)
+        if not archived:
+            self.undo_stack.append(("archive", session_id))
+            self.notify(
+                f"Archived “{self._title(session_id)}”. "
+                f"{keys_for('undo', self.keymap)} brings it back."
+            )
+
+    @guarded
+    def action_delete(self) -> None:
+        session_id = self._require_current()
+        assert self.service is not None
+        self.service.delete(session_id)
+        self.undo_stack.append(("delete", session_id))
+        self.notify(
+            f"Deleted “{self._title(session_id)}”. {keys_for('undo', self.keymap)} brings it "
+            "back (until kvchat restarts)."
+        )
+
+    @guarded
+    async def action_undo(self) -> None:
+        if not self.undo_stack or self.service is None:
+            raise KvchatError("nothing to undo")
+        kind, session_id = self.undo_stack.pop()
+        if kind == "archive":
+            self.service.set_archived(session_id, False)
+        else:
+            self.service.undo_delete(session_id)
+        await self.refresh_sessions()
+        await self.switch_to(session_id)
+
+    @guarded
+    def action_copy_reply(self) -> None:
+        session_id = self._require_current()
+        assert self.service is not None
+        replies = [m for m in self.service.messages(session_id) if m.role == "assistant"]
+        if not replies or not replies[-1].content:
+            raise KvchatError("there is no reply to copy yet")
+        self.copy_to_clipboard(replies[-1].content)
+        self.notify("Copied the last reply to the clipboard.")
+
+    @guarded
+    def action_attach(self) -> None:
+        def done(path_text: str | None) -> None:
+            if path_text and path_text.strip():
+                self.attach_file(Path(path_text.strip()).expanduser())
+
+        self.push_screen(
+            TextDialog(
+                "Attach a file's text to your message",
+                hint="a path (relative to the folder kvchat started in); enter attaches",
+            ),
+            done,
+        )
+
+    @guarded
+    def attach_file(self, path: Path) -> None:
+        block = attachment_text(path)
+        composer = self.composer
+        text = composer.text
+        composer.load_text((text.rstrip() + "\n\n" if text.strip() else "") + block + "\n")
+        composer.move_cursor(composer.document.end)
+        composer.focus()
+        self.notify(f"Attached {path.name}; type your question and press enter.")
+
+    @guarded
+    def action_export(self) -> None:
+        session_id = self._require_current()
+        assert self.service is not None
+        default = f"{_slug(self._title(session_id))}.md"
+
+        def done(path_text: str | None) -> None:
+            if not path_text or self.service is None:
+                return
+            path = Path(path_text.strip()).expanduser()
+            try:
+                path.write_text(self.service.export_markdown(session_id), encoding="utf-8")
+            except OSError as exc:
+                self.notify(f"Cannot write {path}: {exc.strerror or exc}", severity="error")
+                return
+            self.notify(f"Exported to {path.resolve()}")
+
+        self.push_screen(TextDialog("Export the session as Markdown to", default), done)
+
+    @guarded
+    def action_fork(self) -> None:
+        session_id = self._require_current()
+        assert self.service is not None
+        messages = self.service.messages(session_id)
+        commands: list[SimpleCommand] = [
+            SimpleCommand(
+                f"Fork before message {m.index + 1}: {_preview(m)}",
+                functools.partial(self.fork_at, session_id, m.index),
+                "a new session with the messages before this one (shares their cache)",
+            )
+            for m in reversed(messages)
+            if m.role == "user"
+        ]
+        if self.views[session_id].state == "idle":
+            commands.insert(
+                0,
+                SimpleCommand(
+                    "Fork at the end",
+                    functools.partial(self.fork_at, session_id, len(messages)),
+                    "a copy of the whole session",
+                ),
+            )
+        if not commands:
+            raise KvchatError("nothing to fork yet")
+        self.search_commands(commands, placeholder="Fork the session at…")
+
+    @guarded
+    async def fork_at(self, session_id: str, index: int) -> None:
+        assert self.service is not None
+        new_id = self.service.fork(session_id, index)
+        self.views[new_id] = self.service.session(new_id)
+        await self.refresh_sessions()
+        await self.switch_to(new_id)
+
+    @guarded
+    def action_system_prompt(self) -> None:
+        session_id = self._require_current()
+        view = self.views[session_id]
+
+        def done(text: str | None) -> None:
+            if text is not None and self.service is not None:
+                try:
+                    self.service.set_system_prompt(session_id, text.strip() or None)
+                except KvchatError as exc:
+                    self.notify(str(exc), severity="error")
+
+        self.push_screen(
+            TextDialog("System prompt (empty removes it)", view.system_prompt or "", multiline=True),
+            done,
+        )
+
+    @guarded
+    def action_sampling(self) -> None:
+        session_id = self._require_current()
+        view = self.views[session_id]
+
+        def done(text: str | None) -> None:
+            if not text or self.service is None:
+                return
+            try:
+                sampling, max_tokens = parse_sampling(text, view.sampling, view.max_tokens)
+            except KvchatError as exc:
+                self.notify(str(exc), severity="error")
+                return
+            self.service.set_sampling(session_id, sampling, max_tokens)
+            self.notify("Sampling parameters set for this session's next turns.")
+
+        self.push_screen(
+            TextDialog("Sampling for this session", sampling_text(view.sampling, view.max_tokens)),
+            done,
+        )
+
+    async def action_toggle_archived(self) -> None:
+        self.show_archived = not self.show_archived
+        await self.refresh_sessions()
+        self.notify("Showing archived sessions." if self.show_archived else "Hiding archived ones.")
+
+    def action_theme(self) -> None:
+        self.action_change_theme()
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen(self.keymap))
+
+    async def action_quit(self) -> None:
+        self.exit(self.exit_code)
+
+    # --------------------------------------------------------- command palette
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        if self.service is None:
+            yield SystemCommand("Quit", "quit kvchat", self.action_quit)
+            return
+        commands = [
+            ("New session", "start a conversation", self.action_new_session),
+            ("Stop", "stop the reply being written", self.action_stop),
+            ("Regenerate", "write the last reply again", self.action_regenerate),
+            ("Edit and resend", "edit your last message and send it again", self.action_edit_resend),
+            ("Rename", "rename this session", self.action_rename),
+            ("Archive", "hide this session (undo brings it back)", self.action_archive),
+            ("Delete", "delete this session (undo until the next start)", self.action_delete),
+            ("Undo", "bring back the last archived or deleted session", self.action_undo),
+            ("Copy last reply", "copy it to the clipboard", self.action_copy_reply),
+            ("Attach file", "add a file's text to your message", self.action_attach),
+            ("Export to Markdown", "write this session to a .md file", self.action_export),
+            ("Fork at message", "a new session from a point of this one", self.action_fork),
+            ("System prompt", "this session's system prompt", self.action_system_prompt),
+            ("Sampling parameters", "temperature, top-p… for this session", self.action_sampling),
+            (
+                "Hide archived sessions" if self.show_archived else "Show archived sessions",
+                "list archived sessions in the sidebar",
+                self.action_toggle_archived,
+            ),
+            ("Theme", "change the colors (remembered)", self.action_theme),
+            ("Help", "keys and where kvchat keeps its files", self.action_help),
+            ("Quit", "quit kvchat", self.action_quit),
+        ]
+        for title, help_text, callback in commands:
+            yield SystemCommand(title, help_text, callback)
+
+
+def _title_from(text: str) -> str:
+    first = next((line.strip() for line in text.splitlines() if line.strip()), NEW_TITLE)
+    return first if len(first) <= 32 else first[:31] + "…"
+
+
+def _preview(message: MessageView) -> str:
+    text = " ".join(message.content.split())
+    return text if len(text) <= 50 else text[:49] + "…"
+
+
+def _slug(title: str) -> str:
+    slug = "".join(c if c.isalnum() else "-" for c in title.lower()).strip("-")
+    while "--" in slug:
+        slug = slug.replace("--", "-")
+    return slug or "session"

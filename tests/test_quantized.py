@@ -1,0 +1,65 @@
+"""GGUF 4-bit weights kept 4-bit: the int4 path computes what the dequantized path computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.model.loader import load_model
+from kvchat.model.quantized_linear import Int4Linear, Int8Linear, quantize_int4_rtn
+from tests.test_model_parity import kvchat_logits, rel_err
+from tests.tiny_gguf import write_tiny_gguf
+
+
+def ids_for(model, n: int = 60) -> list[int]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randint(3, model.config.vocab_size, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int4_path_matches_the_dequantized_path(tmp_path, qtype):
+    path = write_tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype)
+    native = load_model(str(path), dtype="float32", device="cpu")
+    dense = load_model(str(path), dtype="float32", device="cpu", weights="bf16")
+    assert isinstance(native.transformer.layers[0].qkv, Int4Linear)
+    assert native.fingerprint != dense.fingerprint  # their KV pages must never be shared
+    ids = ids_for(native)
+    exact = kvchat_logits(dense, ids, paged=True)
+    # decode-sized chunks run the int4 kernel; only the scales' rounding and the int8 head differ
+    assert rel_err(kvchat_logits(native, ids, paged=True), exact) < 2e-2
+    # in bf16 the int4 path is as close to the exact logits as dequantized bf16 is
+    native16 = load_model(str(path), dtype="bfloat16", device="cpu")
+    dense16 = load_model(str(path), dtype="bfloat16", device="cpu", weights="bf16")
+    theirs = rel_err(kvchat_logits(dense16, ids, paged=True), exact)
+    assert rel_err(kvchat_logits(native16, ids, paged=True), exact) <= 1.5 * theirs + 2e-2
+
+
+def test_int4_linear_multiplies_by_its_dequantized_weight():
+    w = torch.randn(48, 96)
+    codes, scales, offsets = quantize_int4_rtn(w)
+    linear = Int4Linear(codes, scales, offsets, torch.float32)
+    x = torch.randn(3, 96)
+    expected = x @ linear.dequantized().t()
+    assert torch.allclose(linear(x), expected, rtol=1e-4, atol=1e-4)
+    rebuilt = (codes.float().reshape(48, 3, 32) * scales[..., None] + offsets[..., None]).reshape(48, 96)
+    assert torch.allclose(linear.dequantized(), rebuilt, atol=1e-5)
+    assert (rebuilt - w).abs().max() <= scales.max() / 2 + 1e-6  # round to nearest
+
+
+def test_int8_linear_is_close_to_the_dense_product():
+    w = torch.randn(64, 32)
+    x = torch.randn(2, 32)
+    assert rel_err(Int8Linear(w, torch.float32)(x), x @ w.t()) < 1e-2
+
+
+def test_quantize_option_for_hugging_face_folders(tmp_path):
+    from tests.tiny_models import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "m", "llama", hidden_size=64, intermediate_size=128)
+    dense = load_model(str(folder), dtype="float32", device="cpu")
+    ids = ids_for(dense)
+    exact = kvchat_logits(dense, ids, paged=True)
+    for mode, bound in (("int8", 2e-2), ("int4", 2e-1)):
+        q = load_model(str(folder), dtype="float32", device="cpu", quantize=mode)
+        assert q.fingerprint.endswith(mode)
+        assert rel_err(kvchat_logits(q, ids, paged=True), exact) < bound

@@ -1,0 +1,265 @@
+"""Pilot-driven tests of the TUI on the fake engine: streaming, switching, commands, restore.
+
+The fake engine runs in manual mode, so a reply is held mid-stream until the
+test calls `advance()`; every wait is on a condition (`wait_until`), never a sleep.
+"""
+
+from __future__ import annotations
+
+import time
+
+from textual.command import CommandList, CommandPalette
+
+from kvchat.chat.session import MessageState
+from kvchat.chat.settings import Settings
+from kvchat.chat.store import MessageRecord, SessionRecord, Store
+from kvchat.errors import ModelLoadError
+from kvchat.tui.app import KvchatApp
+from kvchat.tui.screens import FailedStartScreen
+from tests.tui_helpers import fake_app, ready, transcript_texts, wait_until
+
+SIZE = (150, 45)
+
+
+def notifications(app: KvchatApp) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+def first_command(app: KvchatApp) -> str:
+    """The first option the command palette shows now ("" when none)."""
+    if not isinstance(app.screen, CommandPalette):
+        return ""
+    options = app.screen.query_one(CommandList)
+    if options.option_count == 0:
+        return ""
+    prompt = options.get_option_at_index(0).prompt
+    return getattr(prompt, "plain", str(prompt)).splitlines()[0]
+
+
+async def type_and_send(pilot, text: str) -> None:
+    await pilot.press(*text)
+    await pilot.press("enter")
+
+
+async def test_sessions_stream_switch_stop_regenerate_fork_archive_and_attach(tmp_path):
+    app, engine = fake_app(manual=True, tokens_per_reply=12)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        service = app.service
+        for _ in range(3):
+            await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: len(app.sidebar.order) == 3, what="three sessions")
+        third, second, first = app.sidebar.order  # newest first
+        assert app.current == third
+
+        # send in two sessions; both stream at once (the engine holds them mid-reply)
+        await type_and_send(pilot, "alpha")
+        await wait_until(pilot, lambda: service.session(third).state != "idle", what="alpha starts")
+        await pilot.press("alt+down")
+        assert app.current == second
+        await type_and_send(pilot, "beta")
+        engine.advance(4)
+        await wait_until(
+            pilot,
+            lambda: all(app.views[s].state == "decoding" for s in (second, third)),
+            what="both decoding in the sidebar",
+        )
+        await wait_until(
+            pilot,
+            lambda: transcript_texts(app)[-1][2] == service.messages(second)[-1].content != "",
+            what="the visible reply streams",
+        )
+        assert app.sidebar.rows()[second].view.title == "beta"
+
+        # switch while both stream: the other session renders at once, its text so far
+        await pilot.press("ctrl+pageup")
+        assert app.current == third
+        assert [t[0] for t in transcript_texts(app)] == ["user", "assistant"]
+        assert transcript_texts(app)[0][2] == "alpha"
+        shown = transcript_texts(app)[-1][2]
+        assert shown and service.messages(third)[-1].content.startswith(shown)
+        assert engine.prefetched, "a switch tells the engine to prefetch"
+
+        # stop the visible one; the hidden one keeps generating and ends unread
+        await pilot.press("escape")
+        engine.advance(30)
+        await wait_until(
+            pilot, lambda: transcript_texts(app)[-1][1] == "cancelled", what="stopped reply"
+        )
+        assert "stopped" in str(app.transcript.blocks()[-1].header.render())
+        await wait_until(pilot, lambda: app.views[second].state == "idle", what="beta finishes")
+        assert app.views[second].unread
+        assert service.messages(second)[-1].state == MessageState.COMPLETE
+
+        # regenerate the stopped reply: a new one replaces it and streams to the end
+        await pilot.press("ctrl+r")
+        engine.advance(40)
+        await wait_until(
+            pilot,
+            lambda: [t[1] for t in transcript_texts(app)] == ["complete", "complete"],
+            what="regenerated reply",
+        )
+        final = service.messages(third)[-1].content
+        assert transcript_texts(app)[-1][2] == final and len(final) == 12
+
+        # fork at the end through the command palette
+        await pilot.press("ctrl+p")
+        await pilot.press(*"Fork at message")
+        await wait_until(pilot, lambda: first_command(app).startswith("Fork"), what="palette")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: first_command(app) == "Fork at the end", what="fork list")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: len(app.sidebar.order) == 4, what="the fork")
+        fork = app.current
+        assert fork not in (first, second, third)
+        assert app.views[fork].title.endswith("(fork)")
+        assert [t[2] for t in transcript_texts(app)] == ["alpha", final]
+
+        # archive, then undo
+        await pilot.press("f6")
+        await wait_until(pilot, lambda: fork not in app.sidebar.order, what="archived")
+        assert app.current != fork
+        await pilot.press("f9")
+        await wait_until(pilot, lambda: app.current == fork, what="undo brings it back")
+        assert fork in app.sidebar.order and not service.session(fork).archived
+
+        # attach a file's text, ask about it
+        doc = tmp_path / "notes.txt"
+        doc.write_text("the cache keeps pages\n", encoding="utf-8")
+        await pilot.press("ctrl+o")
+        await wait_until(pilot, lambda: app.screen.id != "_default", what="attach dialog")
+        await pilot.press(*str(doc))
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: "the cache keeps pages" in app.composer.text)
+        await type_and_send(pilot, "what does it say?")
+        await wait_until(pilot, lambda: len(transcript_texts(app)) == 4, what="attached message")
+        sent = service.messages(fork)[2].content
+        assert "notes.txt" in sent and "the cache keeps pages" in sent
+        assert sent.rstrip().endswith("what does it say?")
+        engine.advance(40)
+        await wait_until(pilot, lambda: transcript_texts(app)[-1][1] == "complete")
+
+
+async def test_hidden_session_finishes_and_every_token_reaches_the_transcript():
+    app, engine = fake_app(manual=True, tokens_per_reply=50)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: app.current is not None)
+        visible = app.current
+        await type_and_send(pilot, "one")
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: app.current != visible)
+        hidden = app.current
+        await type_and_send(pilot, "two")
+        await pilot.press("alt+2")
+        assert app.current == visible
+        for _ in range(60):
+            engine.advance(1)
+            await pilot.pause()
+        await wait_until(pilot, lambda: app.service.session(hidden).state == "idle")
+        await wait_until(pilot, lambda: transcript_texts(app)[-1][1] == "complete")
+        assert transcript_texts(app)[-1][2] == app.service.messages(visible)[-1].content
+        assert len(app.service.messages(hidden)[-1].content) == 50
+        assert app.views[hidden].unread and not app.views[visible].unread
+
+
+async def test_edit_and_resend_replaces_the_last_message():
+    app, engine = fake_app(tokens_per_reply=6)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        await type_and_send(pilot, "frist")  # no session yet: sending creates one
+        await wait_until(pilot, lambda: len(transcript_texts(app)) == 2)
+        await wait_until(pilot, lambda: transcript_texts(app)[-1][1] == "complete")
+        await pilot.press("f3")
+        assert app.composer.editing and app.composer.text == "frist"
+        app.composer.load_text("first")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: transcript_texts(app)[:1] == [("user", "complete", "first")])
+        await wait_until(pilot, lambda: transcript_texts(app)[-1][1] == "complete")
+        assert [m.content for m in app.service.messages(app.current) if m.role == "user"] == [
+            "first"
+        ]
+
+
+async def test_interrupted_reply_is_restored_and_marked(tmp_path):
+    store = Store(tmp_path / "db.sqlite3")
+    now = time.time()
+    store.save(
+        SessionRecord("s1", "restored chat", now, now, False, None, "fake-model", b"", True, None, None),
+        [
+            MessageRecord("m1", 0, "user", "tell me", "complete", None, 0, False, True, None, now),
+            MessageRecord(
+                "m2", 1, "assistant", "half a rep", "streaming", None, None, False, True, 2**22 + 7, now
+            ),
+        ],
+    )
+    store.close()
+    app, _ = fake_app(store=Store(tmp_path / "db.sqlite3"))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        assert app.current == "s1"
+        assert app.sidebar.rows()["s1"].view.title == "restored chat"
+        assert transcript_texts(app) == [
+            ("user", "complete", "tell me"),
+            ("assistant", "interrupted", "half a rep"),
+        ]
+        assert "interrupted" in str(app.transcript.blocks()[-1].header.render())
+        assert any("interrupted" in n for n in notifications(app))
+
+
+async def test_bad_settings_are_reported_and_keys_remap_by_id():
+    settings = Settings(keys={"next_session": "ctrl+right", "no_such_action": "x"})
+    app, _ = fake_app(settings=settings, settings_problem="settings.toml, line 3: bad value")
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        texts = notifications(app)
+        assert any("line 3" in t for t in texts)
+        assert any("no_such_action" in t for t in texts)
+        await pilot.press("ctrl+n")
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: len(app.sidebar.order) == 2)
+        newest, older = app.sidebar.order
+        assert app.current == newest
+        await pilot.press("ctrl+right")
+        assert app.current == older
+
+
+async def test_missing_model_shows_what_to_do_and_quits():
+    def broken(progress):
+        progress("Looking for the model...")
+        raise ModelLoadError("No model at /nowhere. Pass --model with a folder or a GGUF file.")
+
+    app = KvchatApp(broken, store_factory=Store.in_memory)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, FailedStartScreen), what="screen")
+        assert "Pass --model" in str(app.screen.query_one("#failed-message").render())
+        await pilot.press("q")
+    assert app.return_code == 1
+
+
+async def test_copy_export_rename_and_sampling(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    app, _ = fake_app(tokens_per_reply=5)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        await type_and_send(pilot, "hi")
+        await wait_until(pilot, lambda: transcript_texts(app)[-1:] and transcript_texts(app)[-1][1] == "complete")
+        reply = app.service.messages(app.current)[-1].content
+        await pilot.press("f4")
+        assert app.clipboard == reply
+        await pilot.press("f2")
+        await wait_until(pilot, lambda: app.screen.id != "_default")
+        await pilot.press("ctrl+u", *"Renamed", "enter")
+        await wait_until(pilot, lambda: app.views[app.current].title == "Renamed")
+        assert app.transcript.border_title == "Renamed"
+        app.action_export()
+        await pilot.pause()
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: (tmp_path / "renamed.md").exists())
+        assert reply in (tmp_path / "renamed.md").read_text(encoding="utf-8")
+        app.action_sampling()
+        await pilot.pause()
+        await pilot.press("ctrl+u", *"temperature=0.2 max_tokens=9", "enter")
+        await wait_until(pilot, lambda: app.service.session(app.current).max_tokens == 9)
+        assert app.service.session(app.current).sampling.temperature == 0.2
