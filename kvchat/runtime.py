@@ -28,6 +28,9 @@ class RuntimeOptions:
     seed: int | None
     temperature: float | None
     max_tokens: int | None
+    weights: str = "native"
+    quantize: str | None = None
+    kv: str = "native"
 
 
 def read_settings(warn: Callable[[str], None] | None = None) -> Settings:
@@ -60,6 +63,9 @@ def resolve_options(args: argparse.Namespace, settings: Settings) -> RuntimeOpti
         seed=pick("seed"),
         temperature=pick("temperature"),
         max_tokens=pick("max_tokens"),
+        weights=pick("weights") or "native",
+        quantize=pick("quantize"),
+        kv=pick("kv") or "native",
     )
 
 
@@ -68,6 +74,7 @@ def engine_config(options: RuntimeOptions) -> EngineConfig:
         page_size=options.page_size,
         device_cache_bytes=options.device_cache,
         host_cache_bytes=options.host_cache,
+        kv_format=options.kv,
     )
 
 
@@ -76,7 +83,14 @@ def start_engine(options: RuntimeOptions, progress: Callable[[str], None]):
     from kvchat.engine.engine import Engine
     from kvchat.model.loader import load_model
 
-    model = load_model(options.model, dtype=options.dtype, device=options.device, progress=progress)
+    model = load_model(
+        options.model,
+        dtype=options.dtype,
+        device=options.device,
+        weights=options.weights,
+        quantize=options.quantize,
+        progress=progress,
+    )
     engine = Engine(model, engine_config(options))
     return model, engine
 

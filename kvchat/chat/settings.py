@@ -37,11 +37,15 @@ class Settings:
     top_p: float | None = None
     max_tokens: int = 512
     theme: str | None = None
+    weights: str | None = None  # "native" (GGUF 4-bit kept 4-bit) | "bf16" (dequantized)
+    quantize: str | None = None  # "int8" | "int4" for Hugging Face folders
+    kv: str | None = None  # "native" | "int8" KV cache
     keys: MappingProxyType[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
 
 _DTYPES = ("bfloat16", "float32")
 _SIZE_KEYS = ("device_cache", "host_cache")
+_CHOICES = {"weights": ("native", "bf16"), "quantize": ("int8", "int4"), "kv": ("native", "int8")}
 
 
 def _line_of(text: str, key: str, table: str | None = None) -> int | None:
@@ -77,6 +81,10 @@ def _check(path: Path, text: str, key: str, value: Any) -> Any:
     if key == "dtype":
         if value not in _DTYPES:
             raise bad(" or ".join(f'"{d}"' for d in _DTYPES))
+        return value
+    if key in _CHOICES:
+        if value not in _CHOICES[key]:
+            raise bad(" or ".join(f'"{c}"' for c in _CHOICES[key]))
         return value
     if key in _SIZE_KEYS:
         if not isinstance(value, str | int) or isinstance(value, bool):

@@ -75,6 +75,7 @@ FLUSH_HZ = 25
 METERS_HZ = 4
 RESIDENCY_ALL_EVERY_S = 5.0
 NEW_TITLE = "New chat"
+_APP_ACTIONS = frozenset(spec.action.split("(")[0] for spec in APP_KEYS)
 MAX_ATTACH_BYTES = 2_000_000
 
 CSS = """
@@ -258,7 +259,7 @@ class KvchatApp(App[int]):
 
     CSS = CSS
     TITLE = "kvchat"
-    BINDINGS = bindings(APP_KEYS)
+    BINDINGS = bindings(APP_KEYS, priority=True)  # over the text area's own f6, ctrl+pageup…
     ENABLE_COMMAND_PALETTE = True
     COMMAND_PALETTE_BINDING = "ctrl+backslash"  # ours has an id (command_palette)
 
@@ -296,6 +297,12 @@ class KvchatApp(App[int]):
         self._load_themes()
 
     # ------------------------------------------------------------------ layout
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Our keys are priority bindings: off while a dialog or another screen is up."""
+        if action in _APP_ACTIONS and action != "quit":
+            return self.screen is self.screen_stack[0]
+        return True
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="body"):

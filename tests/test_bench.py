@@ -1,0 +1,160 @@
+"""`kvchat bench --quick` end to end on a tiny random model, and the bench's small helpers.
+
+The bench runs once per module (through the real command line, with the
+transformers peers; llama.cpp needs a GGUF and is skipped for a Hugging Face
+folder) and each test checks one promise of its JSON: every workload present,
+sane numbers, kvchat's follow-ups computing only their new tokens plus one,
+the cache tiers hitting, the report files written. Timings are not asserted
+beyond being positive: this machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvchat.bench.peers.base import common_prefix
+from kvchat.bench.peers.kvchat import percentile
+from kvchat.bench.runner import parse_peers, parse_workloads
+from kvchat.bench.workloads import WORKLOAD_NAMES, make_plan, median_of_runs
+from kvchat.cli import main
+from kvchat.errors import KvchatError
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory) -> tuple[int, dict, Path]:
+    from tests.tiny_models import write_tiny_model
+
+    root = tmp_path_factory.mktemp("bench")
+    folder = write_tiny_model(root / "tiny", "llama")
+    out = root / "out"
+    code = main(
+        ["bench", "--quick", "--model", str(folder), "--dtype", "float32", "--out", str(out)]
+    )
+    return code, json.loads((out / "bench.json").read_text()), out
+
+
+def test_quick_bench_exits_cleanly_with_every_workload(bench):
+    code, results, _ = bench
+    assert code == 0
+    assert set(results["workloads"]) == set(WORKLOAD_NAMES)
+    for name, workload in results["workloads"].items():
+        assert workload["engines"], name
+        assert not workload["errors"], (name, workload["errors"])
+
+
+def test_transformers_peers_run_and_llama_cpp_is_skipped_with_a_reason(bench):
+    _, results, _ = bench
+    assert set(results["workloads"]["W1"]["engines"]) == {
+        "kvchat",
+        "transformers-naive",
+        "transformers-cache",
+    }
+    assert "transformers" in results["workloads"]["speed"]["engines"]
+    assert "transformers" in results["workloads"]["W2"]["engines"]
+    assert results["skipped"]["llama.cpp"]  # a HF folder has no GGUF (or it is not installed)
+
+
+def test_speed_numbers_are_positive_and_the_bandwidth_is_measured(bench):
+    _, results, _ = bench
+    speed = results["workloads"]["speed"]
+    for entry in speed["engines"].values():
+        median = entry["median"]
+        assert median["decode_tok_s"] > 0
+        assert set(median["prefill_tok_s"]) == {str(n) for n in speed["prompt_lengths"]}
+        assert all(v > 0 for v in median["prefill_tok_s"].values())
+    assert speed["memory_bandwidth_gbs"]["median"] > 0
+    assert speed["weight_bytes_per_token"] > 0
+
+
+def test_kvchat_follow_ups_prefill_only_the_new_turn_plus_one_token(bench):
+    _, results, _ = bench
+    turns = results["workloads"]["W1"]["engines"]["kvchat"]["runs"][0]["turns"]
+    follow_ups = [t for t in turns if t["turn"] > 1]
+    assert len(follow_ups) == 4  # one round in --quick
+    for t in follow_ups:
+        assert 0 < t["prefilled_tokens"] <= t["new_tokens"] + 1, t
+        assert t["prompt_tokens"] > t["prefilled_tokens"]  # the history came from the cache
+
+
+def test_naive_transformers_recomputes_the_whole_history_every_turn(bench):
+    _, results, _ = bench
+    turns = results["workloads"]["W1"]["engines"]["transformers-naive"]["runs"][0]["turns"]
+    assert all(t["prefilled_tokens"] == t["prompt_tokens"] for t in turns)
+    assert all(t["generated_tokens"] == results["workloads"]["W1"]["answer_tokens"] for t in turns)
+
+
+def test_switching_back_in_the_sweep_reuses_kvchats_cache(bench):
+    _, results, _ = bench
+    sweep = results["workloads"]["sweep"]
+    points = sweep["engines"]["kvchat"]["runs"][0]["points"]
+    assert [p["length"] for p in points] == sweep["lengths"]
+    for p in points:
+        assert p["prefilled_tokens"] < 64 < p["history_tokens"]
+
+
+def test_w2_and_w3_report_rates_and_latencies(bench):
+    _, results, _ = bench
+    w2 = results["workloads"]["W2"]["engines"]["kvchat"]["median"]
+    assert w2["decode_tok_s"] > 0 and w2["wall_s"] > 0
+    w3 = results["workloads"]["W3"]["engines"]["kvchat"]["median"]
+    assert w3["gaps_during_ingest"] > 0
+    assert w3["itl_p99_ingest_s"] >= w3["itl_p50_ingest_s"] > 0
+
+
+def test_w4_host_tier_keeps_hits_that_a_small_device_cache_loses(bench):
+    _, results, _ = bench
+    w4 = results["workloads"]["W4"]
+    runs = {name: e["median"] for name, e in w4["engines"].items()}
+    everything, on, off = (
+        runs["all on device"],
+        runs["half, host tier on"],
+        runs["half, host tier off"],
+    )
+    assert on["device_pages"] < everything["device_pages"]
+    assert everything["hit_rate"] > 0 and on["hit_rate"] > 0
+    assert on["cached_host_tokens"] > 0 and off["cached_host_tokens"] == 0
+    assert on["hit_rate"] >= off["hit_rate"]
+
+
+def test_report_files_and_markdown_name_the_machine_and_every_engine(bench):
+    _, results, out = bench
+    text = (out / "bench.md").read_text()
+    assert results["machine"]["cpu"] in text
+    for name in ("kvchat", "transformers-naive", "transformers-cache", "llama.cpp"):
+        assert name in text
+    pytest.importorskip("matplotlib")
+    assert (out / "w1_ttft.png").stat().st_size > 0
+    assert (out / "sweep_ttft.png").stat().st_size > 0
+
+
+def test_unknown_workloads_and_peers_are_user_errors():
+    with pytest.raises(KvchatError, match="W9"):
+        parse_workloads("speed,W9")
+    with pytest.raises(KvchatError, match="vllm"):
+        parse_peers("vllm")
+    assert parse_workloads("w1, Sweep") == ["W1", "sweep"]
+    assert parse_peers("transformers") == ["transformers-naive", "transformers-cache"]
+    assert parse_peers("none") == []
+
+
+def test_plan_drops_sizes_beyond_the_models_context():
+    plan = make_plan(quick=False, repeats=None, context_length=2048)
+    assert max(plan.sweep_lengths) <= 2048 - 256
+    assert plan.doc_tokens < 2048 and plan.w3_ingest_tokens < 2048
+    assert plan.notes and plan.repeats == 3
+
+
+def test_medians_are_taken_per_number_and_per_list_element():
+    runs = [{"a": 1.0, "b": [1, 10], "c": "x"}, {"a": 3.0, "b": [2, 30], "c": "x"},
+            {"a": 2.0, "b": [3, 20], "c": "x"}]
+    assert median_of_runs(runs) == {"a": 2.0, "b": [2, 20], "c": "x"}
+
+
+def test_percentile_is_nearest_rank_and_common_prefix_counts_shared_ids():
+    assert percentile([5.0, 1.0, 3.0], 50) == 3.0
+    assert percentile(list(range(1, 101)), 99) == 99
+    assert percentile([], 99) == 0.0
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2

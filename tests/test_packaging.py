@@ -1,0 +1,24 @@
+"""The wheel ships every kvchat package and the built-in themes."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_kvchat_package_is_listed_in_pyproject():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for p in (ROOT / "kvchat").rglob("__init__.py")
+    }
+    assert found <= listed, f"add to pyproject's packages: {sorted(found - listed)}"
+
+
+def test_builtin_themes_are_importable_resources():
+    import importlib.resources
+
+    names = {p.name for p in importlib.resources.files("kvchat.themes").iterdir()}
+    assert {"dark.toml", "light.toml", "high-contrast.toml"} <= names
