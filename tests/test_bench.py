@@ -148,8 +148,11 @@ def test_plan_drops_sizes_beyond_the_models_context():
 
 
 def test_medians_are_taken_per_number_and_per_list_element():
-    runs = [{"a": 1.0, "b": [1, 10], "c": "x"}, {"a": 3.0, "b": [2, 30], "c": "x"},
-            {"a": 2.0, "b": [3, 20], "c": "x"}]
+    runs = [
+        {"a": 1.0, "b": [1, 10], "c": "x"},
+        {"a": 3.0, "b": [2, 30], "c": "x"},
+        {"a": 2.0, "b": [3, 20], "c": "x"},
+    ]
     assert median_of_runs(runs) == {"a": 2.0, "b": [2, 20], "c": "x"}
 
 

@@ -208,8 +208,8 @@ class PageTableMachine(RuleBasedStateMachine):
 
 
 PageTableMachine.TestCase.settings = settings(
-    max_examples=150,
-    stateful_step_count=40,
+    max_examples=200,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

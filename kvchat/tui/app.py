@@ -305,29 +305,18 @@ class KvchatApp(App[int]):
         return True
 
     def compose(self) -> ComposeResult:
+        # kept as attributes: a dialog on top must not hide them from the timers
+        self.sidebar = SessionList(id="sidebar")
+        self.transcript = Transcript(id="transcript")
+        self.composer = Composer(keymap=self.keymap, id="composer")
+        self.meters = Meters(id="meters")
         with Horizontal(id="body"):
-            yield SessionList(id="sidebar")
+            yield self.sidebar
             with Vertical(id="main"):
-                yield Transcript(id="transcript")
-                yield Composer(keymap=self.keymap, id="composer")
-            yield Meters(id="meters")
+                yield self.transcript
+                yield self.composer
+            yield self.meters
         yield Footer()
-
-    @property
-    def sidebar(self) -> SessionList:
-        return self.query_one("#sidebar", SessionList)
-
-    @property
-    def transcript(self) -> Transcript:
-        return self.query_one("#transcript", Transcript)
-
-    @property
-    def composer(self) -> Composer:
-        return self.query_one("#composer", Composer)
-
-    @property
-    def meters(self) -> Meters:
-        return self.query_one("#meters", Meters)
 
     # ---------------------------------------------------------------- themes
 
@@ -890,7 +879,7 @@ class KvchatApp(App[int]):
         self.push_screen(HelpScreen(self.keymap))
 
     async def action_quit(self) -> None:
-        self.exit(self.exit_code)
+        self.exit(self.exit_code, return_code=self.exit_code)
 
     # --------------------------------------------------------- command palette
 

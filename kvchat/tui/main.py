@@ -31,6 +31,6 @@ def run_tui(args: argparse.Namespace) -> int:
     settings, problem = read_settings_for_tui()
     factory = functools.partial(start_real_backend, args, settings)
     app = KvchatApp(factory, settings=settings, settings_problem=problem)
-    result = app.run()
+    app.run()
     app.shutdown()
-    return int(result if result is not None else app.exit_code)
+    return app.return_code if app.return_code is not None else app.exit_code

@@ -1,0 +1,58 @@
+"""Theme files: kvchat's own load, a broken user file is a notification, the choice persists."""
+
+from __future__ import annotations
+
+from kvchat.chat.settings import load_settings
+from kvchat.paths import app_paths
+from kvchat.tui.themes import builtin_theme_files, load_themes, parse_theme
+from tests.tui_helpers import fake_app, ready, wait_until
+
+GOOD = 'name = "mine"\nprimary = "#123456"\nbackground = "#000000"\n'
+
+
+def test_builtin_themes_include_dark_light_and_high_contrast():
+    loaded = load_themes(None)
+    names = {t.name for t in loaded.themes}
+    assert {"kvchat-dark", "kvchat-light", "kvchat-high-contrast"} <= names
+    assert loaded.problems == ()
+    assert len(builtin_theme_files()) >= 3
+    light = next(t for t in loaded.themes if t.name == "kvchat-light")
+    assert light.dark is False
+
+
+def test_broken_user_theme_is_a_problem_and_the_others_load(tmp_path):
+    (tmp_path / "good.toml").write_text(GOOD, encoding="utf-8")
+    (tmp_path / "bad-color.toml").write_text('name = "x"\nprimary = "nope"\n', encoding="utf-8")
+    (tmp_path / "bad-toml.toml").write_text("name = \n", encoding="utf-8")
+    loaded = load_themes(tmp_path)
+    assert "mine" in {t.name for t in loaded.themes}
+    assert len(loaded.problems) == 2
+    assert any("bad-color.toml" in p and "not a color" in p for p in loaded.problems)
+    assert any("bad-toml.toml" in p and "TOML" in p for p in loaded.problems)
+
+
+def test_parse_theme_names_unknown_keys():
+    try:
+        parse_theme(GOOD + 'colour = "#fff"\n', "t.toml")
+    except Exception as exc:
+        assert "colour" in str(exc)
+    else:
+        raise AssertionError("an unknown key must be refused")
+
+
+async def test_broken_theme_notifies_and_chosen_theme_persists(tmp_path):
+    themes_dir = app_paths().themes_dir
+    themes_dir.mkdir(parents=True)
+    (themes_dir / "mine.toml").write_text(GOOD, encoding="utf-8")
+    (themes_dir / "broken.toml").write_text('name = "b"\nprimary = 3\n', encoding="utf-8")
+    app, _ = fake_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot, app)
+        assert any("broken.toml" in n.message for n in app._notifications)
+        assert "mine" in app.available_themes
+        app.theme = "kvchat-high-contrast"
+        await wait_until(pilot, lambda: load_settings().theme == "kvchat-high-contrast")
+    app2, _ = fake_app(settings=load_settings())
+    async with app2.run_test(size=(120, 40)) as pilot:
+        await ready(pilot, app2)
+        assert app2.theme == "kvchat-high-contrast"

@@ -1,0 +1,55 @@
+"""The TUI's pure parts: the stream buffer's offsets, keymap checks, sampling text, attachments."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvchat.engine.request import SamplingParams
+from kvchat.errors import KvchatError
+from kvchat.tui.app import attachment_text, parse_sampling, sampling_text
+from kvchat.tui.keys import BINDING_IDS, check_keymap
+from kvchat.tui.stream_buffer import StreamBuffer
+
+
+def test_stream_buffer_keeps_offsets_and_drops_hidden_sessions_text():
+    buf = StreamBuffer()
+    buf.add("a", "m1", "hel", 1)
+    buf.add("b", "m2", "xyz", 1)
+    buf.add("a", "m1", "lo", 1)
+    [chunk] = buf.take("a")
+    assert (chunk.message_id, chunk.start, chunk.text) == ("m1", 0, "hello")
+    assert buf.take("b") == []  # dropped when "a" was taken: a switch re-reads the service
+    buf.add("b", "m2", "!", 1)
+    [chunk] = buf.take("b")
+    assert (chunk.start, chunk.text) == (3, "!")  # offsets count dropped text too
+
+
+def test_keymap_keeps_known_ids_and_reports_unknown_ones():
+    keymap, problems = check_keymap({"next_session": "ctrl+right, alt+j", "nope": "x"})
+    assert keymap == {"next_session": "ctrl+right,alt+j"}
+    assert len(problems) == 1 and "nope" in problems[0]
+    assert {"send", "newline", "quit", "stop", "jump_1", "command_palette"} <= BINDING_IDS
+
+
+def test_sampling_text_round_trips_and_bad_values_are_errors():
+    base = SamplingParams(temperature=0.7, top_p=0.9, seed=3)
+    text = sampling_text(base, 256)
+    assert parse_sampling(text, SamplingParams(), 1) == (base, 256)
+    assert parse_sampling("temperature=0", base, 9)[0].temperature == 0.0
+    for bad in ("temperature=hot", "warmth=1", "top_p=2", "max_tokens=0", "temperature"):
+        with pytest.raises(KvchatError):
+            parse_sampling(bad, base, 9)
+
+
+def test_attachment_is_fenced_text_and_binary_files_are_refused(tmp_path):
+    doc = tmp_path / "code.py"
+    doc.write_text("x = '```'\n", encoding="utf-8")
+    block = attachment_text(doc)
+    assert "code.py" in block and "x = '```'" in block
+    assert "\n````\n" in block  # a fence longer than any run of backticks inside
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(b"\xff\xfe\x00\x81")
+    with pytest.raises(KvchatError, match="not a UTF-8 text file"):
+        attachment_text(blob)
+    with pytest.raises(KvchatError, match="cannot read"):
+        attachment_text(tmp_path / "missing.txt")
