@@ -57,8 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from kvchat.errors import KvchatError
 
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["chat", *argv]  # `kvchat --model X` opens the TUI like `kvchat chat --model X`
     args = parser.parse_args(argv)
-    command = args.command or "chat"
+    command = args.command
     try:
         if command == "ask":
             from kvchat.ask import run_ask
@@ -79,8 +82,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvchat.bench.runner import main as bench_main
 
             return bench_main(args)
-        if args.command is None:
-            args = parser.parse_args(["chat", *(argv or sys.argv[1:])])
         from kvchat.tui.main import run_tui
 
         return run_tui(args)

@@ -63,3 +63,13 @@ def test_quantize_option_for_hugging_face_folders(tmp_path):
         q = load_model(str(folder), dtype="float32", device="cpu", quantize=mode)
         assert q.fingerprint.endswith(mode)
         assert rel_err(kvchat_logits(q, ids, paged=True), exact) < bound
+
+
+def test_prepared_weights_cache_reloads_the_same_layers(tmp_path):
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "Q4_1")
+    first = load_model(str(path), dtype="bfloat16", device="cpu")
+    again = load_model(str(path), dtype="bfloat16", device="cpu")  # from the prepared cache
+    ids = ids_for(first, 80)
+    # 80-token chunks run the dense/int8 paths at M >= 32, where unaligned weights crashed
+    batch_logits = [kvchat_logits(m, ids, paged=True) for m in (first, again)]
+    assert torch.equal(batch_logits[0], batch_logits[1])

@@ -165,7 +165,7 @@ async def test_hidden_session_finishes_and_every_token_reaches_the_transcript():
 
 
 async def test_edit_and_resend_replaces_the_last_message():
-    app, engine = fake_app(tokens_per_reply=6)
+    app, _ = fake_app(tokens_per_reply=6)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
         await type_and_send(pilot, "frist")  # no session yet: sending creates one
@@ -175,7 +175,9 @@ async def test_edit_and_resend_replaces_the_last_message():
         assert app.composer.editing and app.composer.text == "frist"
         app.composer.load_text("first")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: transcript_texts(app)[:1] == [("user", "complete", "first")])
+        await wait_until(
+            pilot, lambda: transcript_texts(app)[:1] == [("user", "complete", "first")]
+        )
         await wait_until(pilot, lambda: transcript_texts(app)[-1][1] == "complete")
         assert [m.content for m in app.service.messages(app.current) if m.role == "user"] == [
             "first"
@@ -186,11 +188,23 @@ async def test_interrupted_reply_is_restored_and_marked(tmp_path):
     store = Store(tmp_path / "db.sqlite3")
     now = time.time()
     store.save(
-        SessionRecord("s1", "restored chat", now, now, False, None, "fake-model", b"", True, None, None),
+        SessionRecord(
+            "s1", "restored chat", now, now, False, None, "fake-model", b"", True, None, None
+        ),
         [
             MessageRecord("m1", 0, "user", "tell me", "complete", None, 0, False, True, None, now),
             MessageRecord(
-                "m2", 1, "assistant", "half a rep", "streaming", None, None, False, True, 2**22 + 7, now
+                "m2",
+                1,
+                "assistant",
+                "half a rep",
+                "streaming",
+                None,
+                None,
+                False,
+                True,
+                2**22 + 7,
+                now,
             ),
         ],
     )
@@ -244,7 +258,9 @@ async def test_copy_export_rename_and_sampling(tmp_path, monkeypatch):
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
         await type_and_send(pilot, "hi")
-        await wait_until(pilot, lambda: transcript_texts(app)[-1:] and transcript_texts(app)[-1][1] == "complete")
+        await wait_until(
+            pilot, lambda: transcript_texts(app)[-1:] and transcript_texts(app)[-1][1] == "complete"
+        )
         reply = app.service.messages(app.current)[-1].content
         await pilot.press("f4")
         assert app.clipboard == reply

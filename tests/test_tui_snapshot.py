@@ -30,7 +30,10 @@ async def test_main_layout_in_theme(theme, background, primary):
         await ready(pilot, app)
         assert app.theme == theme
         await pilot.press(*"layout check", "enter")
-        await wait_until(pilot, lambda: transcript_texts(app)[-1:] != [] and transcript_texts(app)[-1][1] == "complete")
+        await wait_until(
+            pilot,
+            lambda: transcript_texts(app)[-1:] != [] and transcript_texts(app)[-1][1] == "complete",
+        )
         await pilot.pause()
         svg = app.export_screenshot()
     text = _svg_text(svg)

@@ -20,7 +20,9 @@ from kvchat.tui.transcript import MessageBlock
 from tests.fake_engine import FakeEngine, fake_backend
 
 
-async def wait_until(pilot, condition: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+async def wait_until(
+    pilot, condition: Callable[[], bool], timeout: float = 10.0, what: str = ""
+) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -70,4 +72,6 @@ def row_views(app: KvchatApp) -> dict[str, object]:
 
 
 async def ready(pilot, app: KvchatApp) -> None:
-    await wait_until(pilot, lambda: app.service is not None and app.screen.id == "_default", 20, "start")
+    await wait_until(
+        pilot, lambda: app.service is not None and app.screen.id == "_default", 20, "start"
+    )

@@ -97,3 +97,16 @@ def _nbytes(weight: object) -> int:
         return weight.nbytes
     nbytes = getattr(weight, "nbytes", 0)
     return int(nbytes() if callable(nbytes) else nbytes)
+
+
+def dense_weight_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """What `weight_bytes_per_token` would be with every matrix dense in `dtype`."""
+    c = config
+    per_layer = (
+        c.hidden_size * (c.q_size + 2 * c.kv_size)  # q, k, v
+        + c.q_size * c.hidden_size  # o
+        + 3 * c.intermediate_size * c.hidden_size  # gate, up, down
+        + 2 * c.hidden_size  # the two norms
+    )
+    params = c.num_layers * per_layer + c.vocab_size * c.hidden_size + c.hidden_size
+    return params * torch.empty((), dtype=dtype).element_size()

@@ -15,7 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-from kvchat.bench.machine import machine_info
+from kvchat.bench.machine import (
+    dense_weight_bytes_per_token,
+    machine_info,
+    weight_bytes_per_token,
+)
 from kvchat.bench.peers.base import PeerUnavailable
 from kvchat.bench.peers.kvchat import KvchatPeer
 from kvchat.bench.report import markdown, write_report
@@ -23,6 +27,7 @@ from kvchat.bench.workloads import WORKLOAD_NAMES, WORKLOADS, BenchContext, make
 from kvchat.errors import KvchatError
 from kvchat.model.device import dtype_name
 
+DENSE_NAME = "kvchat-dense"
 PEER_NAMES = ("transformers-naive", "transformers-cache", "llama.cpp")
 PEER_ALIASES: dict[str, tuple[str, ...]] = {
     "transformers": ("transformers-naive", "transformers-cache"),
@@ -105,11 +110,48 @@ def load_peers(names: list[str], model, progress) -> tuple[dict, dict, dict[str,
     return chat, speed, skipped
 
 
+def _load(options, weights: str, progress):
+    from kvchat.model.loader import load_model
+
+    return load_model(
+        options.model,
+        dtype=options.dtype,
+        device=options.device,
+        weights=weights,
+        quantize=options.quantize,
+        progress=progress,
+    )
+
+
+def _kvchat_peer(model, options, name: str, weights: str) -> KvchatPeer:
+    return KvchatPeer(
+        model,
+        page_size=options.page_size,
+        device_cache_bytes=options.device_cache,
+        host_cache_bytes=options.host_cache,
+        kv_format=options.kv,
+        name=name,
+        weights=weights,
+    )
+
+
 def _command(args) -> str:
     parts = ["kvchat bench"]
     if args.quick:
         parts.append("--quick")
-    for flag in ("workloads", "peers", "repeats", "model", "dtype", "device", "page_size"):
+    flags = (
+        "workloads",
+        "peers",
+        "repeats",
+        "model",
+        "dtype",
+        "device",
+        "page_size",
+        "weights",
+        "quantize",
+        "kv",
+    )
+    for flag in flags:
         value = getattr(args, flag, None)
         if value is not None:
             parts.append(f"--{flag.replace('_', '-')} {value}")
@@ -117,7 +159,6 @@ def _command(args) -> str:
 
 
 def main(args) -> int:
-    from kvchat.model.loader import load_model
     from kvchat.runtime import read_settings, resolve_options
 
     def progress(message: str) -> None:
@@ -131,18 +172,19 @@ def main(args) -> int:
         progress("kvchat bench: every engine decodes greedily; --temperature is ignored.")
     options = resolve_options(args, read_settings(progress))
     started = time.perf_counter()
-    model = load_model(options.model, dtype=options.dtype, device=options.device, progress=progress)
+    model = _load(options, options.weights, progress)
     plan = make_plan(quick=args.quick, repeats=args.repeats, context_length=model.context_length)
-    kvchat = KvchatPeer(
-        model,
-        page_size=options.page_size,
-        device_cache_bytes=options.device_cache,
-        host_cache_bytes=options.host_cache,
-    )
+    kvchat = _kvchat_peer(model, options, "kvchat", options.weights)
+    variants = {}
+    dense = dense_weight_bytes_per_token(model.config, model.dtype)
+    if "speed" in workloads and weight_bytes_per_token(model.transformer) < 0.75 * dense:
+        progress("Loading kvchat with dense weights too, for the same-dtype speed comparison...")
+        dense_model = _load(options, "bf16", progress)
+        variants[DENSE_NAME] = _kvchat_peer(dense_model, options, DENSE_NAME, "dense")
     chat_peers, speed_peers, skipped = load_peers(peer_names, model, progress)
     for name, why in skipped.items():
         progress(f"kvchat bench: skipping {name}: {why}")
-    ctx = BenchContext(model, plan, kvchat, chat_peers, speed_peers, progress)
+    ctx = BenchContext(model, plan, kvchat, chat_peers, speed_peers, variants, progress)
     results: dict = {
         "command": _command(args),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -154,9 +196,11 @@ def main(args) -> int:
             "source": str(model.source),
             "dtype": dtype_name(model.dtype),
             "page_size": options.page_size,
+            "weights": options.weights,
+            "kv": options.kv,
             "context_length": model.context_length,
         },
-        "engines": {"kvchat": kvchat.description}
+        "engines": {n: p.description for n, p in {"kvchat": kvchat, **variants}.items()}
         | {n: p.description for n, p in {**speed_peers, **chat_peers}.items()},
         "skipped": skipped,
         "notes": list(plan.notes),

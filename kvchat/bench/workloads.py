@@ -22,7 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from kvchat.bench import documents as docs
-from kvchat.bench.machine import memory_bandwidth_gbs, weight_bytes_per_token
+from kvchat.bench.machine import (
+    dense_weight_bytes_per_token,
+    memory_bandwidth_gbs,
+    weight_bytes_per_token,
+)
 from kvchat.bench.peers.base import ChatEngine, NotApplicable, TurnResult
 from kvchat.bench.peers.kvchat import KvchatPeer
 
@@ -107,6 +111,9 @@ class BenchContext:
     kvchat: KvchatPeer
     chat_peers: dict[str, object] = field(default_factory=dict)  # name -> peer with .chat()
     speed_peers: dict[str, object] = field(default_factory=dict)  # name -> .speed()/.batch()
+    # kvchat with its weights dense in the compute dtype, when its default is quantized:
+    # the same-dtype comparison with transformers (speed only)
+    kvchat_variants: dict[str, KvchatPeer] = field(default_factory=dict)
     progress: Callable[[str], None] = lambda _m: None
 
 
@@ -176,21 +183,31 @@ def run_speed(ctx: BenchContext) -> dict:
 
         return run
 
-    engines = {"kvchat": one(ctx.kvchat)} | {n: one(p) for n, p in ctx.speed_peers.items()}
-    out = _repeat(ctx, "speed", engines)
+    peers = {"kvchat": ctx.kvchat, **ctx.kvchat_variants, **ctx.speed_peers}
+    out = _repeat(ctx, "speed", {name: one(peer) for name, peer in peers.items()})
     gbs = statistics.median(bandwidth)
     wbytes = weight_bytes_per_token(model.transformer)
     out["memory_bandwidth_gbs"] = {"runs": bandwidth, "median": gbs}
     out["weight_bytes_per_token"] = wbytes
     out["decode_bound_tok_s"] = gbs * 1e9 / wbytes
     for name, entry in out["engines"].items():
-        peer_bytes = getattr(ctx.speed_peers.get(name), "weight_bytes", None)
-        streamed = peer_bytes() if callable(peer_bytes) else wbytes
+        streamed = _streamed_bytes(peers[name], model)
         entry["weight_bytes_per_token"] = streamed
         entry["bandwidth_fraction"] = entry["median"]["decode_tok_s"] * streamed / (gbs * 1e9)
     out["prompt_lengths"] = list(plan.prefill_lengths)
     out["decode"] = {"prompt": plan.decode_prompt, "tokens": plan.decode_tokens}
     return out
+
+
+def _streamed_bytes(peer, model) -> int:
+    """Weight bytes a decode step of this engine reads (its own format)."""
+    own = getattr(peer, "weight_bytes", None)
+    if callable(own):  # llama.cpp: its GGUF file
+        return int(own())
+    kvchat_model = getattr(peer, "model", None)
+    if hasattr(kvchat_model, "transformer"):
+        return weight_bytes_per_token(kvchat_model.transformer)
+    return dense_weight_bytes_per_token(model.config, model.dtype)  # transformers
 
 
 # ---- W1: switching between sessions with long documents ----------------------------------

@@ -61,25 +61,24 @@ class Engine:
         host_bytes = default_host if self.config.host_cache_bytes is None else self.config.host_cache_bytes
         ps = self.config.page_size
         geometry = (mc.num_layers, ps, mc.num_kv_heads, mc.head_dim, dtype)
-        num_pages = pages_for_bytes(dev_bytes, *geometry)
-        host_slots = pages_for_bytes(host_bytes, *geometry)
+        kv_format = self.config.kv_format
+        num_pages = pages_for_bytes(dev_bytes, *geometry, kv_format)
+        host_slots = pages_for_bytes(host_bytes, *geometry, kv_format)
         if num_pages < 2:
             raise KvchatError(
                 f"The device cache ({dev_bytes} bytes) holds fewer than 2 pages of "
                 f"{ps} tokens; raise --device-cache or lower --page-size."
             )
-        self.store = DeviceKVStore(mc.num_layers, num_pages, ps, mc.num_kv_heads, mc.head_dim, dtype, device)
+        self.store = DeviceKVStore(*geometry[:1], num_pages, *geometry[1:], device, kv_format)
         self.host_store = (
-            HostKVStore(host_slots, mc.num_layers, ps, mc.num_kv_heads, mc.head_dim, dtype, device)
-            if host_slots
-            else None
+            HostKVStore(host_slots, *geometry, device, kv_format) if host_slots else None
         )
         salt = root_salt(model.fingerprint, dtype_name(dtype), self.config.kv_format)
         self.table = PageTable(
             num_pages, ps, salt, HostTier(host_slots) if host_slots else None,
             KVPageMover(self.store, self.host_store),
         )
-        self.attention = PagedAttention(self.store.k_all, self.store.v_all)
+        self.attention = PagedAttention.for_store(self.store)
         self.scheduler = Scheduler(self.config, self.table)
         self.max_context = min(mc.max_position_embeddings, self.transformer.max_positions)
         self.stop_ids = frozenset(self.tokenizer.stop_token_ids)

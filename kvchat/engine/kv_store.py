@@ -21,10 +21,20 @@ from __future__ import annotations
 import torch
 
 
-def kv_bytes_per_token(num_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token occupies across all layers."""
+KV_FORMATS = ("native", "int8")
+
+
+def kv_bytes_per_token(
+    num_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_format: str = "native"
+) -> int:
+    """Bytes of K and V one token occupies across all layers.
+
+    int8 stores one byte per value plus one scale (in the compute dtype) per token
+    and head: (D + itemsize) instead of D * itemsize, ~1.9x the tokens per byte.
+    """
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * n_kv_heads * head_dim * itemsize
+    per_head = head_dim + itemsize if kv_format == "int8" else head_dim * itemsize
+    return 2 * num_layers * n_kv_heads * per_head
 
 
 def pages_for_bytes(
@@ -34,14 +44,24 @@ def pages_for_bytes(
     n_kv_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    kv_format: str = "native",
 ) -> int:
     """How many whole pages (or host slots) fit in `nbytes` (0 when not even one fits)."""
-    per_page = page_size * kv_bytes_per_token(num_layers, n_kv_heads, head_dim, dtype)
+    per_page = page_size * kv_bytes_per_token(num_layers, n_kv_heads, head_dim, dtype, kv_format)
     return max(0, nbytes // per_page)
 
 
+def _check_format(kv_format: str) -> None:
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"unknown KV format {kv_format!r}; use one of {KV_FORMATS}")
+
+
 class DeviceKVStore:
-    """The device pool: K and V for every layer and page, zero-initialized."""
+    """The device pool: K and V for every layer and page, zero-initialized.
+
+    With `kv_format="int8"`, `k_all`/`v_all` hold int8 codes and `k_scale_all`/
+    `v_scale_all` `[L, P, S, Hkv]` one scale per token and head (in `dtype`).
+    """
 
     def __init__(
         self,
@@ -52,13 +72,29 @@ class DeviceKVStore:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        kv_format: str = "native",
     ) -> None:
+        _check_format(kv_format)
         shape = (num_layers, num_pages, page_size, n_kv_heads, head_dim)
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
-        self.k_all = torch.zeros(shape, dtype=dtype, device=device)  # [L, P, S, Hkv, D]
-        self.v_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_format = kv_format
+        self.compute_dtype = dtype
+        store_dtype = torch.int8 if kv_format == "int8" else dtype
+        self.k_all = torch.zeros(shape, dtype=store_dtype, device=device)  # [L, P, S, Hkv, D]
+        self.v_all = torch.zeros(shape, dtype=store_dtype, device=device)
+        self.k_scale_all: torch.Tensor | None = None
+        self.v_scale_all: torch.Tensor | None = None
+        if kv_format == "int8":
+            self.k_scale_all = torch.zeros(shape[:-1], dtype=dtype, device=device)  # [L, P, S, Hkv]
+            self.v_scale_all = torch.zeros(shape[:-1], dtype=dtype, device=device)
+
+    @property
+    def parts(self) -> list[torch.Tensor]:
+        """Every tensor a page owns a slice of (page axis 1): what a page copy must move."""
+        scales = [self.k_scale_all, self.v_scale_all] if self.k_scale_all is not None else []
+        return [self.k_all, self.v_all, *scales]
 
     @property
     def device(self) -> torch.device:
@@ -77,7 +113,7 @@ class DeviceKVStore:
         return self.v_all[layer]
 
     def nbytes(self) -> int:
-        return 2 * self.k_all.numel() * self.k_all.element_size()
+        return sum(t.numel() * t.element_size() for t in self.parts)
 
 
 class HostKVStore:
@@ -92,16 +128,31 @@ class HostKVStore:
         head_dim: int,
         dtype: torch.dtype,
         for_device: torch.device | str = "cpu",
+        kv_format: str = "native",
     ) -> None:
+        _check_format(kv_format)
         shape = (num_slots, num_layers, page_size, n_kv_heads, head_dim)
         pin = torch.device(for_device).type == "cuda"
         self.num_slots = num_slots
         self.pinned = pin
-        self.k_all = torch.zeros(shape, dtype=dtype, pin_memory=pin)  # [slots, L, S, Hkv, D]
-        self.v_all = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.kv_format = kv_format
+        store_dtype = torch.int8 if kv_format == "int8" else dtype
+        self.k_all = torch.zeros(shape, dtype=store_dtype, pin_memory=pin)  # [slots, L, S, Hkv, D]
+        self.v_all = torch.zeros(shape, dtype=store_dtype, pin_memory=pin)
+        self.k_scale_all: torch.Tensor | None = None
+        self.v_scale_all: torch.Tensor | None = None
+        if kv_format == "int8":
+            self.k_scale_all = torch.zeros(shape[:-1], dtype=dtype, pin_memory=pin)
+            self.v_scale_all = torch.zeros(shape[:-1], dtype=dtype, pin_memory=pin)
+
+    @property
+    def parts(self) -> list[torch.Tensor]:
+        """The same tensors as the device store's `parts`, slot axis first."""
+        scales = [self.k_scale_all, self.v_scale_all] if self.k_scale_all is not None else []
+        return [self.k_all, self.v_all, *scales]
 
     def nbytes(self) -> int:
-        return 2 * self.k_all.numel() * self.k_all.element_size()
+        return sum(t.numel() * t.element_size() for t in self.parts)
 
 
 class KVPageMover:
@@ -114,12 +165,14 @@ class KVPageMover:
             host_store is None or host_store.pinned
         )
         if host_store is not None:
-            d, h = device_store.k_all, host_store.k_all
-            if h.dtype != d.dtype or h.shape[1:] != (d.shape[0], *d.shape[2:]):
-                raise ValueError(
-                    f"host store {tuple(h.shape)} {h.dtype} does not match "
-                    f"device store {tuple(d.shape)} {d.dtype}"
-                )
+            for d, h in zip(device_store.parts, host_store.parts, strict=True):
+                if h.dtype != d.dtype or h.shape[1:] != (d.shape[0], *d.shape[2:]):
+                    raise ValueError(
+                        f"host store {tuple(h.shape)} {h.dtype} does not match "
+                        f"device store {tuple(d.shape)} {d.dtype}"
+                    )
+            if len(device_store.parts) != len(host_store.parts):
+                raise ValueError("host and device stores hold different KV formats")
 
     def _host(self) -> HostKVStore:
         if self.host_store is None:
@@ -127,28 +180,22 @@ class KVPageMover:
         return self.host_store
 
     def device_to_host(self, device_page: int, host_slot: int) -> None:
-        host = self._host()
-        dev = self.device_store
         # [L, S, Hkv, D] (strided across layers on the device) -> one contiguous host slot
-        host.k_all[host_slot].copy_(dev.k_all[:, device_page], non_blocking=self._async)
-        host.v_all[host_slot].copy_(dev.v_all[:, device_page], non_blocking=self._async)
+        for d, h in zip(self.device_store.parts, self._host().parts, strict=True):
+            h[host_slot].copy_(d[:, device_page], non_blocking=self._async)
 
     def host_to_device(self, host_slot: int, device_page: int) -> None:
-        host = self._host()
-        dev = self.device_store
-        dev.k_all[:, device_page].copy_(host.k_all[host_slot], non_blocking=self._async)
-        dev.v_all[:, device_page].copy_(host.v_all[host_slot], non_blocking=self._async)
+        for d, h in zip(self.device_store.parts, self._host().parts, strict=True):
+            d[:, device_page].copy_(h[host_slot], non_blocking=self._async)
 
     def copy_tokens(self, src_page: int, dst_page: int, n_tokens: int) -> None:
-        dev = self.device_store
-        # [L, n, Hkv, D]: the first n slots of the page, every layer
-        dev.k_all[:, dst_page, :n_tokens] = dev.k_all[:, src_page, :n_tokens]
-        dev.v_all[:, dst_page, :n_tokens] = dev.v_all[:, src_page, :n_tokens]
+        # [L, n, ...]: the first n slots of the page, every layer
+        for d in self.device_store.parts:
+            d[:, dst_page, :n_tokens] = d[:, src_page, :n_tokens]
 
     def move_page(self, src_page: int, dst_page: int) -> None:
-        dev = self.device_store
-        dev.k_all[:, dst_page] = dev.k_all[:, src_page]
-        dev.v_all[:, dst_page] = dev.v_all[:, src_page]
+        for d in self.device_store.parts:
+            d[:, dst_page] = d[:, src_page]
 
     def synchronize(self) -> None:
         """Wait for pending asynchronous copies (before the CPU reads host bytes)."""

@@ -24,6 +24,14 @@ from kvchat.model.batch import ForwardBatch
 
 
 @dataclass(frozen=True)
+class _FlatKV:
+    """One layer's K or V with slots flattened: data `[P*S, Hkv, D]`, int8 scales `[P*S, Hkv]`."""
+
+    data: torch.Tensor
+    scale: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class _ContextView:
     """How one sequence's context is read: a contiguous slot range, or gathered slots."""
 
@@ -33,9 +41,23 @@ class _ContextView:
 
 
 class PagedAttention:
-    def __init__(self, k_all: torch.Tensor, v_all: torch.Tensor):
+    def __init__(
+        self,
+        k_all: torch.Tensor,
+        v_all: torch.Tensor,
+        k_scale_all: torch.Tensor | None = None,
+        v_scale_all: torch.Tensor | None = None,
+    ):
+        """K/V stores `[layers, pages, S, Hkv, D]`; with int8 stores, scales `[layers, pages, S, Hkv]`.
+
+        int8 K/V are quantized per token and head on write (scale = max|x| / 127) and
+        dequantized on read for one sequence's context at a time, never the whole cache.
+        """
         self.k_all = k_all  # [layers, pages, S, Hkv, D]
         self.v_all = v_all
+        self.k_scale_all = k_scale_all
+        self.v_scale_all = v_scale_all
+        self.quantized = k_scale_all is not None
         self.page_size = int(k_all.shape[2])
         self.num_kv_heads = int(k_all.shape[3])
         self.head_dim = int(k_all.shape[4])
@@ -83,26 +105,60 @@ class PagedAttention:
         self._decode_index = index  # [B, Lmax]
         self._decode_mask = (torch.arange(longest, device=device)[None, :] < lengths[:, None])[:, None, None, :]
 
-    def _flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.k_all[layer].view(-1, self.num_kv_heads, self.head_dim)  # [P*S, Hkv, D]
-        v = self.v_all[layer].view(-1, self.num_kv_heads, self.head_dim)
-        return k, v
+    @classmethod
+    def for_store(cls, store) -> PagedAttention:
+        """Over a `kv_store.DeviceKVStore` (either KV format)."""
+        return cls(store.k_all, store.v_all, store.k_scale_all, store.v_scale_all)
 
-    def _context(self, flat: torch.Tensor, view: _ContextView) -> torch.Tensor:
+    def _flat(self, layer: int) -> tuple[_FlatKV, _FlatKV]:
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        k = self.k_all[layer].view(shape)  # [P*S, Hkv, D]
+        v = self.v_all[layer].view(shape)
+        if not self.quantized:
+            return _FlatKV(k, None), _FlatKV(v, None)
+        assert self.k_scale_all is not None and self.v_scale_all is not None
+        ks = self.k_scale_all[layer].view(-1, self.num_kv_heads)  # [P*S, Hkv]
+        vs = self.v_scale_all[layer].view(-1, self.num_kv_heads)
+        return _FlatKV(k, ks), _FlatKV(v, vs)
+
+    def _context(self, flat: _FlatKV, view: _ContextView) -> torch.Tensor:
+        """One sequence's K or V `[L, Hkv, D]` in the compute dtype."""
         if view.gather is None:
-            return flat[view.start : view.start + view.length]  # a view: no copy
-        return flat[view.gather]
+            data = flat.data[view.start : view.start + view.length]  # a view: no copy
+            scale = None if flat.scale is None else flat.scale[view.start : view.start + view.length]
+        else:
+            data = flat.data[view.gather]
+            scale = None if flat.scale is None else flat.scale[view.gather]
+        if scale is None:
+            return data
+        return data.to(scale.dtype) * scale.unsqueeze(-1)
+
+    def _gather(self, flat: _FlatKV, index: torch.Tensor) -> torch.Tensor:
+        if flat.scale is None:
+            return flat.data[index]
+        return flat.data[index].to(flat.scale.dtype) * flat.scale[index].unsqueeze(-1)
+
+    def _write(self, flat: _FlatKV, x: torch.Tensor) -> None:
+        """Store the new tokens' K or V `[T, Hkv, D]` at their slots (quantizing for int8)."""
+        assert self._slots is not None
+        if flat.scale is None:
+            flat.data.index_copy_(0, self._slots, x.to(flat.data.dtype))
+            return
+        scale = (x.abs().amax(dim=-1).float() / 127.0).clamp(min=1e-8)  # [T, Hkv]
+        codes = torch.round(x.float() / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+        flat.data.index_copy_(0, self._slots, codes)
+        flat.scale.index_copy_(0, self._slots, scale.to(flat.scale.dtype))
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert self._batch is not None and self._slots is not None, "prepare() first"
         k_flat, v_flat = self._flat(layer)
-        k_flat.index_copy_(0, self._slots, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, self._slots, v.to(v_flat.dtype))
+        self._write(k_flat, k)
+        self._write(v_flat, v)
         if self._batch.is_decode_only:
             return self._decode(q, k_flat, v_flat)
         return self._prefill(q, k_flat, v_flat)
 
-    def _decode(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, k_flat: _FlatKV, v_flat: _FlatKV) -> torch.Tensor:
         """One query per sequence, all sequences in one SDPA call (padded, masked when B > 1).
 
         Measured on the target CPU: SDPA over permuted views beats a hand-written grouped
@@ -115,8 +171,8 @@ class PagedAttention:
             values = self._context(v_flat, self._views[0]).unsqueeze(0)
             mask = None
         else:
-            keys = k_flat[self._decode_index]  # [B, Lmax, Hkv, D]
-            values = v_flat[self._decode_index]
+            keys = self._gather(k_flat, self._decode_index)  # [B, Lmax, Hkv, D]
+            values = self._gather(v_flat, self._decode_index)
             mask = self._decode_mask  # [B, 1, 1, Lmax], True where attended
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # [B, Hq, 1, D]
@@ -127,7 +183,7 @@ class PagedAttention:
         )  # [B, Hq, 1, D]
         return out.view(B, Hq, D)
 
-    def _prefill(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, k_flat: _FlatKV, v_flat: _FlatKV) -> torch.Tensor:
         """Per sequence: SDPA over its whole context, causal from its first new token on."""
         assert self._batch is not None
         out = torch.empty_like(q)

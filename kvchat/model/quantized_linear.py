@@ -180,6 +180,9 @@ def save_linears(path, linears: dict[str, Int4Linear | Int8Linear]) -> None:
 
 
 def load_linears(path) -> dict[str, Int4Linear | Int8Linear]:
+    """Load `save_linears`' file. Every tensor is cloned into a fresh allocation: tensors
+    read from a safetensors file may sit at unaligned addresses, and torch's int8 kernel
+    crashes (SIGSEGV, seen with M >= 32) on an unaligned weight."""
     import json
 
     from safetensors import safe_open
@@ -189,5 +192,5 @@ def load_linears(path) -> dict[str, Int4Linear | Int8Linear]:
         states: dict[str, dict[str, torch.Tensor]] = {n: {} for n in kinds}
         for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
             name, _, part = key.partition("::")
-            states[name][part] = f.get_tensor(key)
+            states[name][part] = f.get_tensor(key).clone()
     return {name: _KINDS[kinds[name]].from_state(states[name]) for name in kinds}

@@ -18,13 +18,14 @@ reported in one line.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
@@ -80,6 +81,8 @@ MAX_ATTACH_BYTES = 2_000_000
 
 CSS = """
 #body { height: 1fr; }
+Screen.-narrow #meters, Screen.-medium #meters { display: none; }
+Screen.-narrow #sidebar { width: 24; }
 #sidebar { width: 34; border: round $panel-lighten-2; border-title-color: $primary; }
 #main { width: 1fr; }
 #transcript { height: 1fr; border: round $panel-lighten-2; border-title-color: $primary;
@@ -260,6 +263,12 @@ class KvchatApp(App[int]):
     CSS = CSS
     TITLE = "kvchat"
     BINDINGS = bindings(APP_KEYS, priority=True)  # over the text area's own f6, ctrl+pageup…
+    # below 120 columns the meters give their room to the transcript; below 90 the sidebar too
+    HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [
+        (0, "-narrow"),
+        (90, "-medium"),
+        (120, "-wide"),
+    ]
     ENABLE_COMMAND_PALETTE = True
     COMMAND_PALETTE_BINDING = "ctrl+backslash"  # ours has an id (command_palette)
 
@@ -276,7 +285,9 @@ class KvchatApp(App[int]):
         self.settings = settings or Settings()
         self.backend_factory = backend_factory
         self.store_factory = store_factory or (lambda: Store(app_paths().database))
-        self.user_themes_dir = user_themes_dir if user_themes_dir is not None else app_paths().themes_dir
+        self.user_themes_dir = (
+            user_themes_dir if user_themes_dir is not None else app_paths().themes_dir
+        )
         self.problems: list[str] = [settings_problem] if settings_problem else []
         self.keymap, key_problems = check_keymap(self.settings.keys)
         self.problems += key_problems
@@ -328,7 +339,8 @@ class KvchatApp(App[int]):
         wanted = self.settings.theme or DEFAULT_THEME
         if wanted not in self.available_themes:
             self.problems.append(
-                f"Theme {wanted!r} (from the settings file) is not installed; using {DEFAULT_THEME}."
+                f"Theme {wanted!r} (from the settings file) is not installed; "
+                f"using {DEFAULT_THEME}."
             )
             wanted = DEFAULT_THEME
         if wanted in self.available_themes:
@@ -591,10 +603,8 @@ class KvchatApp(App[int]):
 
     @work(thread=True, exit_on_error=False, group="focus")
     def _focus_session(self, service: SessionService, session_id: str) -> None:
-        try:
+        with contextlib.suppress(KvchatError):  # deleted meanwhile
             service.focus(session_id)  # clears unread, tells the engine to prefetch its pages
-        except KvchatError:
-            pass
 
     def _update_title(self) -> None:
         view = self.views.get(self.current) if self.current else None
@@ -842,7 +852,9 @@ class KvchatApp(App[int]):
                     self.notify(str(exc), severity="error")
 
         self.push_screen(
-            TextDialog("System prompt (empty removes it)", view.system_prompt or "", multiline=True),
+            TextDialog(
+                "System prompt (empty removes it)", view.system_prompt or "", multiline=True
+            ),
             done,
         )
 
@@ -891,7 +903,11 @@ class KvchatApp(App[int]):
             ("New session", "start a conversation", self.action_new_session),
             ("Stop", "stop the reply being written", self.action_stop),
             ("Regenerate", "write the last reply again", self.action_regenerate),
-            ("Edit and resend", "edit your last message and send it again", self.action_edit_resend),
+            (
+                "Edit and resend",
+                "edit your last message and send it again",
+                self.action_edit_resend,
+            ),
             ("Rename", "rename this session", self.action_rename),
             ("Archive", "hide this session (undo brings it back)", self.action_archive),
             ("Delete", "delete this session (undo until the next start)", self.action_delete),

@@ -32,7 +32,9 @@ class TuiBackend:
 BackendFactory = Callable[[Progress], TuiBackend]
 
 
-def start_real_backend(args: argparse.Namespace, settings: Settings, progress: Progress) -> TuiBackend:
+def start_real_backend(
+    args: argparse.Namespace, settings: Settings, progress: Progress
+) -> TuiBackend:
     """Load the model (fetching/converting the default one on first run) and start its engine.
 
     Raises `KvchatError` (e.g. `ModelLoadError`) with a message saying what to do.

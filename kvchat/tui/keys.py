@@ -28,10 +28,7 @@ APP_KEYS: tuple[KeySpec, ...] = (
     KeySpec("new_session", "ctrl+n", "new_session", "New", show=True),
     KeySpec("previous_session", "ctrl+pageup,alt+up", "previous_session", "Prev", show=True),
     KeySpec("next_session", "ctrl+pagedown,alt+down", "next_session", "Next", show=True),
-    *(
-        KeySpec(f"jump_{n}", f"alt+{n}", f"jump({n})", f"Session {n}")
-        for n in range(1, 10)
-    ),
+    *(KeySpec(f"jump_{n}", f"alt+{n}", f"jump({n})", f"Session {n}") for n in range(1, 10)),
     KeySpec("stop", "escape", "stop", "Stop", show=True),
     KeySpec("regenerate", "ctrl+r", "regenerate", "Regenerate", show=True),
     KeySpec("edit_resend", "f3", "edit_resend", "Edit last"),
@@ -69,12 +66,13 @@ def check_keymap(keys: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
     for binding_id, key in keys.items():
         if binding_id not in BINDING_IDS:
             problems.append(
-                f"[keys] {binding_id}: no such key binding (known: {', '.join(sorted(BINDING_IDS))})"
+                f"[keys] {binding_id}: no such key binding "
+                f"(known: {', '.join(sorted(BINDING_IDS))})"
             )
             continue
         cleaned = ",".join(part.strip() for part in key.split(",") if part.strip())
         if not cleaned:
-            problems.append(f"[keys] {binding_id}: needs a key name, like \"ctrl+n\"")
+            problems.append(f'[keys] {binding_id}: needs a key name, like "ctrl+n"')
             continue
         keymap[binding_id] = cleaned
     return keymap, problems

@@ -58,22 +58,28 @@ class Meters(Vertical):
         self.values: dict[str, str] = {}  # label -> the text shown (tests read it)
 
     def compose(self) -> ComposeResult:
+        self.fields = {
+            name: Static(id=f"meter-{name}", classes="meter-value")
+            for name in ("hit-rate", "pages", "evictions", "ttft", "decode")
+        }
+        self.fields["cache"] = Static(id="meter-cache", classes="meter-note")
+        self.sparkline = Sparkline(list(self.eviction_rates), id="meter-eviction-rate")
         yield Label("Hit rate", classes="meter-label")
-        yield Static(id="meter-hit-rate", classes="meter-value")
+        yield self.fields["hit-rate"]
         yield Label("Pages (active/cached/free)", classes="meter-label")
-        yield Static(id="meter-pages", classes="meter-value")
+        yield self.fields["pages"]
         yield Label("Evictions", classes="meter-label")
-        yield Static(id="meter-evictions", classes="meter-value")
-        yield Sparkline(list(self.eviction_rates), id="meter-eviction-rate")
+        yield self.fields["evictions"]
+        yield self.sparkline
         yield Label("TTFT (last turn)", classes="meter-label")
-        yield Static(id="meter-ttft", classes="meter-value")
+        yield self.fields["ttft"]
         yield Label("Decode tok/s", classes="meter-label")
-        yield Static(id="meter-decode", classes="meter-value")
-        yield Static(id="meter-cache", classes="meter-note")
+        yield self.fields["decode"]
+        yield self.fields["cache"]
 
     def _set(self, name: str, content: Content | str) -> None:
         self.values[name] = content.plain if isinstance(content, Content) else content
-        self.query_one(f"#meter-{name}", Static).update(content)
+        self.fields[name].update(content)
 
     def update_meters(
         self,
@@ -106,7 +112,7 @@ class Meters(Vertical):
             rate = max(0.0, (total - before) / (stats.time - self.previous.time))
         if self.previous is None or stats.time != self.previous.time:
             self.eviction_rates.append(rate)
-            self.query_one(Sparkline).data = list(self.eviction_rates)
+            self.sparkline.data = list(self.eviction_rates)
         self.previous = stats
         self._set(
             "evictions",

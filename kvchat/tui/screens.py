@@ -8,6 +8,7 @@ first-run problem, and a traceback tells a user nothing; the screen shows the
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -35,7 +36,9 @@ class StartupScreen(Screen[None]):
 class FailedStartScreen(Screen[None]):
     """The model (or something else needed to start) failed: what happened and what to do."""
 
-    BINDINGS = [Binding("q,escape,ctrl+q", "app.quit", "Quit", priority=True)]
+    BINDINGS: ClassVar[list[Binding]] = [
+        Binding("q,escape,ctrl+q", "app.quit", "Quit", priority=True)
+    ]
 
     def __init__(self, message: str) -> None:
         super().__init__()
@@ -51,7 +54,7 @@ class FailedStartScreen(Screen[None]):
 class TextDialog(ModalScreen[str | None]):
     """Ask for one value; enter (ctrl+s when multi-line) accepts, escape cancels."""
 
-    BINDINGS = [
+    BINDINGS: ClassVar[list[Binding]] = [
         Binding("escape", "cancel", "Cancel", priority=True),
         Binding("ctrl+s", "accept", "Save", priority=True),
     ]
@@ -93,7 +96,7 @@ class TextDialog(ModalScreen[str | None]):
 class HelpScreen(ModalScreen[None]):
     """Every key (as remapped by the settings file) and where kvchat keeps its files."""
 
-    BINDINGS = [Binding("escape,f1,q", "dismiss", "Close", priority=True)]
+    BINDINGS: ClassVar[list[Binding]] = [Binding("escape,f1,q", "dismiss", "Close", priority=True)]
 
     def __init__(self, keymap: Mapping[str, str]) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""The sidebar: one row per session with its title, state, residency bar, context fullness, unread mark.
+"""The sidebar: a row per session: title, state, residency bar, context fullness, unread mark.
 
 Why rows are updated in place: sessions change state many times a second while
 they stream; rebuilding the list would flicker and lose the scroll position.

@@ -58,9 +58,7 @@ def builtin_theme_files() -> list[Traversable]:
     except ModuleNotFoundError:
         root = Path(__file__).resolve().parents[2] / "themes"
     try:
-        return sorted(
-            (f for f in root.iterdir() if f.name.endswith(".toml")), key=lambda f: f.name
-        )
+        return sorted((f for f in root.iterdir() if f.name.endswith(".toml")), key=lambda f: f.name)
     except (FileNotFoundError, NotADirectoryError):
         return []
 
@@ -116,7 +114,9 @@ def _color(value: object, where: str) -> str:
     return value
 
 
-def load_themes(user_dir: Path | None, builtin: Iterable[Traversable] | None = None) -> LoadedThemes:
+def load_themes(
+    user_dir: Path | None, builtin: Iterable[Traversable] | None = None
+) -> LoadedThemes:
     """kvchat's themes, then the user's (a user theme may replace one of the same name)."""
     themes: dict[str, Theme] = {}
     problems: list[str] = []

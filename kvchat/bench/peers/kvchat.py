@@ -27,7 +27,7 @@ from kvchat.chat.store import Store
 from kvchat.engine.config import EngineConfig
 from kvchat.engine.engine import Engine
 from kvchat.engine.events import EngineEvent, RequestFinished, TokenGenerated
-from kvchat.engine.kv_store import kv_bytes_per_token
+from kvchat.engine.kv_store import DeviceKVStore, kv_bytes_per_token
 from kvchat.engine.paged_attention import PagedAttention
 from kvchat.engine.request import GenerationRequest, SamplingParams
 from kvchat.engine.stats import EngineStats
@@ -128,8 +128,6 @@ class _Stream:
 
 
 class KvchatPeer:
-    name = "kvchat"
-
     def __init__(
         self,
         model,
@@ -137,18 +135,24 @@ class KvchatPeer:
         page_size: int,
         device_cache_bytes: int | None = None,
         host_cache_bytes: int | None = None,
+        kv_format: str = "native",
+        name: str = "kvchat",
+        weights: str = "native",
     ) -> None:
+        self.name = name
         self.model = model
         self.page_size = page_size
+        self.kv_format = kv_format
         self.device_cache_bytes = device_cache_bytes  # the user's override, else sized per run
         self.host_cache_bytes = host_cache_bytes
         c = model.config
         self.bytes_per_token = kv_bytes_per_token(
-            c.num_layers, c.num_kv_heads, c.head_dim, model.transformer.dtype
+            c.num_layers, c.num_kv_heads, c.head_dim, model.transformer.dtype, kv_format
         )
         self.description = (
-            f"kvchat {dtype_name(model.transformer.dtype)}, paged prefix-hashed KV cache "
-            f"({page_size}-token pages), sessions through the session layer"
+            f"kvchat {dtype_name(model.transformer.dtype)}, {weights} weights, paged "
+            f"prefix-hashed KV cache ({page_size}-token pages, {kv_format} KV), sessions "
+            "through the session layer"
         )
 
     # ---- sizing ------------------------------------------------------------------------
@@ -169,7 +173,12 @@ class KvchatPeer:
         host = host_bytes
         if host is None:
             host = self.host_cache_bytes if self.host_cache_bytes is not None else dev
-        return EngineConfig(page_size=self.page_size, device_cache_bytes=dev, host_cache_bytes=host)
+        return EngineConfig(
+            page_size=self.page_size,
+            device_cache_bytes=dev,
+            host_cache_bytes=host,
+            kv_format=self.kv_format,
+        )
 
     # ---- workloads -----------------------------------------------------------------------
 
@@ -214,10 +223,10 @@ class KvchatPeer:
         c = self.model.config
         ps = self.page_size
         pages = math.ceil(len(ids) / ps)
-        k_all = torch.zeros(
-            c.num_layers, pages, ps, c.num_kv_heads, c.head_dim, dtype=t.dtype, device=t.device
-        )  # [L, P, S, Hkv, D]
-        attention = PagedAttention(k_all, torch.zeros_like(k_all))
+        store = DeviceKVStore(
+            c.num_layers, pages, ps, c.num_kv_heads, c.head_dim, t.dtype, t.device, self.kv_format
+        )  # K, V: [L, P, S, Hkv, D]
+        attention = PagedAttention.for_store(store)
         batch = ForwardBatch.from_runs([ids], [0], device=t.device)
         attention.prepare(batch, [list(range(pages))])
         sync(t.device)
