@@ -18,10 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvchat.engine.kv_store import DeviceKVStore  # noqa: E402
-from kvchat.engine.paged_attention import PagedAttention  # noqa: E402
-from kvchat.model.batch import ForwardBatch  # noqa: E402
-from kvchat.model.loader import load_model  # noqa: E402
+from kvchat.engine.kv_store import DeviceKVStore
+from kvchat.engine.paged_attention import PagedAttention
+from kvchat.model.batch import ForwardBatch
+from kvchat.model.loader import load_model
 
 N_TOKENS = 2000
 CHUNK = 256
@@ -37,7 +37,16 @@ def perplexity(model, ids: list[int], kv_format: str) -> float:
     c = model.config
     page = 256
     pages = len(ids) // page + 2
-    store = DeviceKVStore(c.num_layers, pages, page, c.num_kv_heads, c.head_dim, model.transformer.dtype, "cpu", kv_format)
+    store = DeviceKVStore(
+        c.num_layers,
+        pages,
+        page,
+        c.num_kv_heads,
+        c.head_dim,
+        model.transformer.dtype,
+        "cpu",
+        kv_format,
+    )
     attention = PagedAttention.for_store(store)
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, CHUNK):

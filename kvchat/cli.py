@@ -13,22 +13,53 @@ from collections.abc import Sequence
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="PATH_OR_NAME", help="GGUF file, Hugging Face folder, or a name from `kvchat models` (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="activation dtype (default: bfloat16 where the hardware computes it natively)")
+    p.add_argument(
+        "--model",
+        metavar="PATH_OR_NAME",
+        help="GGUF file, Hugging Face folder, or a name from `kvchat models` "
+        "(default: SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["bfloat16", "float32"],
+        help="activation dtype (default: bfloat16 where the hardware computes it natively)",
+    )
     p.add_argument("--device", help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--weights", choices=["native", "bf16"], help="native: keep a GGUF's 4-bit weights 4-bit (fast decode, the default); bf16: dequantize")
-    p.add_argument("--quantize", choices=["int8", "int4"], help="quantize a Hugging Face folder's weights at load")
-    p.add_argument("--kv", choices=["native", "int8"], help="KV cache format: the compute dtype, or int8 (about 1.9x the tokens per byte)")
-    p.add_argument("--device-cache", metavar="SIZE", help="KV cache on the compute device, e.g. 512MiB, 4GiB")
-    p.add_argument("--host-cache", metavar="SIZE", help="KV cache tier in host memory (0 disables it)")
-    p.add_argument("--page-size", type=int, metavar="N", help="tokens per KV page (power of two, >= 16)")
+    p.add_argument(
+        "--weights",
+        choices=["native", "bf16"],
+        help="native: keep a GGUF's 4-bit weights 4-bit (fast decode, the default); "
+        "bf16: dequantize",
+    )
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        help="quantize a Hugging Face folder's weights at load",
+    )
+    p.add_argument(
+        "--kv",
+        choices=["native", "int8"],
+        help="KV cache format: the compute dtype, or int8 (about 1.9x the tokens per byte)",
+    )
+    p.add_argument(
+        "--device-cache", metavar="SIZE", help="KV cache on the compute device, e.g. 512MiB, 4GiB"
+    )
+    p.add_argument(
+        "--host-cache", metavar="SIZE", help="KV cache tier in host memory (0 disables it)"
+    )
+    p.add_argument(
+        "--page-size", type=int, metavar="N", help="tokens per KV page (power of two, >= 16)"
+    )
     p.add_argument("--seed", type=int, metavar="N")
     p.add_argument("--temperature", type=float, metavar="X", help="0 means greedy")
     p.add_argument("--max-tokens", type=int, metavar="N")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvchat", description="Chat with local LLMs; switching conversations never re-reads their history.")
+    parser = argparse.ArgumentParser(
+        prog="kvchat",
+        description="Chat with local LLMs; switching conversations never re-reads their history.",
+    )
     sub = parser.add_subparsers(dest="command")
     chat = sub.add_parser("chat", help="open the terminal UI (the default)")
     _add_model_options(chat)
@@ -39,14 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="headless scripted mode: run a JSON Lines script")
     run.add_argument("script", help="path to the script, or - for standard input")
     run.add_argument("--stream", action="store_true", help="also print token events")
-    run.add_argument("--save", action="store_true", help="store the sessions in the database the TUI shows")
+    run.add_argument(
+        "--save", action="store_true", help="store the sessions in the database the TUI shows"
+    )
     _add_model_options(run)
     bench = sub.add_parser("bench", help="measure kvchat against peers on this machine")
     bench.add_argument("--quick", action="store_true", help="a reduced run (under 2 minutes)")
     bench.add_argument("--workloads", default=None, help="comma-separated subset, e.g. speed,W1,W2")
-    bench.add_argument("--peers", default=None, help="comma-separated peers (default: all installed)")
+    bench.add_argument(
+        "--peers", default=None, help="comma-separated peers (default: all installed)"
+    )
     bench.add_argument("--repeats", type=int, default=None)
-    bench.add_argument("--out", default="benchmarks/results", help="folder for the JSON, Markdown and PNG")
+    bench.add_argument(
+        "--out", default="benchmarks/results", help="folder for the JSON, Markdown and PNG"
+    )
     _add_model_options(bench)
     sub.add_parser("models", help="list the models kvchat knows locally")
     sub.add_parser("paths", help="print where kvchat keeps its files")
@@ -93,7 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except OSError as exc:
         if getattr(exc, "errno", None) == 28:
-            print(f"kvchat: the disk is full ({exc}). Free some space and try again.", file=sys.stderr)
+            print(
+                f"kvchat: the disk is full ({exc}). Free some space and try again.", file=sys.stderr
+            )
             return 1
         return _unexpected(exc)
     except Exception as exc:

@@ -76,7 +76,9 @@ def test_prompt_served_from_cache_gives_the_cold_prefill_logits(tiny, page_size,
     h.prefill(1, first)
     h.table.release(1)
     r, logits = h.prefill(2, second)
-    assert r.cached_tokens == shared  # full pages shared plus the tail copied from page `shared // S`
+    assert (
+        r.cached_tokens == shared
+    )  # full pages shared plus the tail copied from page `shared // S`
     expected = cold_logits(tiny, second)
     assert float((logits - expected).norm() / expected.norm()) < 1e-5
 
@@ -91,10 +93,10 @@ def test_evicted_pages_come_back_from_host_exactly_and_counters_add_up(tiny):
     h.prefill(2, b)  # needs the device pages a occupied: a goes to the host tier
     h.table.release(2)
     assert h.table.residency(a).host > 0
-    r, logits = h.prefill(3, a + [11, 12, 13])
+    r, logits = h.prefill(3, [*a, 11, 12, 13])
     assert r.cached_host > 0
     assert torch.equal(h.store.k_all[:, list(h.table.pages(3))[:10]], before)  # bit-exact
-    expected = cold_logits(tiny, a + [11, 12, 13])
+    expected = cold_logits(tiny, [*a, 11, 12, 13])
     assert float((logits - expected).norm() / expected.norm()) < 1e-5
     s = h.table.stats()
     assert s.device_to_host > 0
@@ -129,9 +131,11 @@ def test_switch_back_reprefills_only_the_new_turn_and_matches_a_cold_run(smollm_
         )
         finished: dict[str, list] = {}
         service.subscribe(
-            lambda e: finished.setdefault(e.session_id, []).append(e)
-            if type(e).__name__ == "ReplyFinished"
-            else None
+            lambda e: (
+                finished.setdefault(e.session_id, []).append(e)
+                if type(e).__name__ == "ReplyFinished"
+                else None
+            )
         )
         sa = service.create_session("A")
         sb = service.create_session("B")

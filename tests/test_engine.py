@@ -75,7 +75,9 @@ def test_running_streams_keep_producing_during_a_long_prefill(tiny):
         start = next(e.time for e in long.events if isinstance(e, PrefillProgress))
         first = next(e.time for e in long.events if isinstance(e, TokenGenerated))
         for c in streams:
-            during = [e for e in c.events if isinstance(e, TokenGenerated) and start <= e.time <= first]
+            during = [
+                e for e in c.events if isinstance(e, TokenGenerated) and start <= e.time <= first
+            ]
             assert len(during) >= 3, "a stream stalled during another request's prefill"
         for c in streams:
             c.wait()
@@ -94,7 +96,9 @@ def test_cancel_mid_prefill_and_mid_decode_releases_pages(tiny):
         assert in_prefill.wait().reason == FinishReason.CANCELLED
 
         in_decode = Collector()
-        rid = engine.submit(GenerationRequest((5, 6, 7), max_tokens=10_000, ignore_eos=True), in_decode)
+        rid = engine.submit(
+            GenerationRequest((5, 6, 7), max_tokens=10_000, ignore_eos=True), in_decode
+        )
         while sum(isinstance(e, TokenGenerated) for e in in_decode.events) < 3:
             threading.Event().wait(0.005)
         engine.cancel(rid)
@@ -139,7 +143,9 @@ def test_submit_and_cancel_from_many_threads_is_safe(tiny):
         def worker(seed: int) -> None:
             rng = random.Random(seed)
             for p in prompts(6, 500, seed=seed):
-                rid = engine.submit(GenerationRequest(tuple(p), max_tokens=rng.randrange(1, 12)), on_event)
+                rid = engine.submit(
+                    GenerationRequest(tuple(p), max_tokens=rng.randrange(1, 12)), on_event
+                )
                 if rng.random() < 0.5:
                     engine.cancel(rid)
                 engine.stats()
@@ -187,7 +193,9 @@ def test_stop_strings_end_the_reply_and_are_not_emitted(tiny):
     stop = full[3:6]
     with small_engine(tiny) as engine:
         c = Collector()
-        engine.submit(GenerationRequest((5, 6, 7), max_tokens=40, ignore_eos=True, stop_strings=(stop,)), c)
+        engine.submit(
+            GenerationRequest((5, 6, 7), max_tokens=40, ignore_eos=True, stop_strings=(stop,)), c
+        )
         done = c.wait()
     assert done.reason == FinishReason.STOP
     assert done.text == full[: full.index(stop)]
@@ -197,7 +205,9 @@ def test_stop_strings_end_the_reply_and_are_not_emitted(tiny):
 def test_prompt_longer_than_the_context_fails_with_a_clear_error(tiny):
     with small_engine(tiny) as engine:
         c = Collector()
-        engine.submit(GenerationRequest((5,) * (tiny.config.max_position_embeddings + 1), max_tokens=4), c)
+        engine.submit(
+            GenerationRequest((5,) * (tiny.config.max_position_embeddings + 1), max_tokens=4), c
+        )
         done = c.wait()
     assert done.reason == FinishReason.ERROR
     assert "context" in (done.error or "")

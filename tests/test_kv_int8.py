@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from kvchat.engine.engine import Engine
 from kvchat.engine.config import EngineConfig
+from kvchat.engine.engine import Engine
 from kvchat.engine.kv_store import DeviceKVStore, HostKVStore, KVPageMover
 from kvchat.engine.page_hash import root_salt
 from kvchat.engine.paged_attention import PagedAttention
@@ -28,7 +28,9 @@ def tiny(tmp_path_factory):
 
 def last_logits(model, ids: list[int], kv_format: str) -> torch.Tensor:
     c = model.config
-    store = DeviceKVStore(c.num_layers, 8, 64, c.num_kv_heads, c.head_dim, model.transformer.dtype, "cpu", kv_format)
+    store = DeviceKVStore(
+        c.num_layers, 8, 64, c.num_kv_heads, c.head_dim, model.transformer.dtype, "cpu", kv_format
+    )
     attention = PagedAttention.for_store(store)
     pages = [3, 1, 7, 5, 0, 2, 4, 6]
     out = None
@@ -51,7 +53,9 @@ def test_int8_kv_next_token_logits_are_close_to_native_kv(tiny):
 @pytest.mark.real_model
 def test_int8_kv_on_the_default_model_keeps_the_next_token(default_gguf_path):
     model = load_model(str(default_gguf_path), dtype="float32", device="cpu", weights="bf16")
-    ids = model.renderer.prompt_ids([{"role": "user", "content": "Write a short poem about the sea and the moon."}])
+    ids = model.renderer.prompt_ids(
+        [{"role": "user", "content": "Write a short poem about the sea and the moon."}]
+    )
     native = last_logits(model, ids, "native")
     int8 = last_logits(model, ids, "int8")
     assert float((int8 - native).norm() / native.norm()) < 2e-2
@@ -78,7 +82,12 @@ def test_int8_device_tier_holds_at_least_1_85x_the_tokens(tiny):
     for fmt in ("native", "int8"):
         for dtype in ("bfloat16", "float32"):
             model = load_model(str(tiny.folder), dtype=dtype, device="cpu")
-            with Engine(model, EngineConfig(page_size=16, device_cache_bytes=budget, host_cache_bytes=0, kv_format=fmt)) as e:
+            with Engine(
+                model,
+                EngineConfig(
+                    page_size=16, device_cache_bytes=budget, host_cache_bytes=0, kv_format=fmt
+                ),
+            ) as e:
                 capacity[fmt, dtype] = e.stats().pages["device"].capacity
                 assert e.store.nbytes() <= budget
     for dtype in ("bfloat16", "float32"):
@@ -88,11 +97,18 @@ def test_int8_device_tier_holds_at_least_1_85x_the_tokens(tiny):
 def test_int8_prefix_is_never_matched_by_native_kv(tiny):
     assert root_salt("m", "bfloat16", "int8") != root_salt("m", "bfloat16", "native")
     ids = tuple(range(5, 60))
-    with Engine(tiny, EngineConfig(page_size=16, device_cache_bytes=4 << 20, host_cache_bytes=0, kv_format="int8")) as e:
+    with Engine(
+        tiny,
+        EngineConfig(
+            page_size=16, device_cache_bytes=4 << 20, host_cache_bytes=0, kv_format="int8"
+        ),
+    ) as e:
         c = Collector()
         e.submit(GenerationRequest(ids, max_tokens=2), c)
         c.wait()
         e.close()
         assert e.table.residency(ids).device > 0
-        e.table.rekey(root_salt(tiny.fingerprint, "float32", "native"))  # the same pages, seen by native KV
+        e.table.rekey(
+            root_salt(tiny.fingerprint, "float32", "native")
+        )  # the same pages, seen by native KV
         assert e.table.residency(ids).device == 0

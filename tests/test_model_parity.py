@@ -56,7 +56,9 @@ def test_tiny_model_logits_match_transformers_fp32(tmp_path, family, paged):
 
     folder = write_tiny_model(tmp_path / family, family)
     model = load_model(str(folder), dtype="float32", device="cpu")
-    ids = torch.randint(0, model.config.vocab_size, (96,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, model.config.vocab_size, (96,), generator=torch.Generator().manual_seed(1)
+    )
     reference = hf_logits(folder, ids, torch.float32)
     assert rel_err(kvchat_logits(model, ids.tolist(), paged=paged), reference) < 1e-4
 

@@ -9,10 +9,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_kvchat_package_is_listed_in_pyproject():
-    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
     found = {
-        ".".join(p.parent.relative_to(ROOT).parts)
-        for p in (ROOT / "kvchat").rglob("__init__.py")
+        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "kvchat").rglob("__init__.py")
     }
     assert found <= listed, f"add to pyproject's packages: {sorted(found - listed)}"
 

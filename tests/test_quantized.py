@@ -41,7 +41,9 @@ def test_int4_linear_multiplies_by_its_dequantized_weight():
     x = torch.randn(3, 96)
     expected = x @ linear.dequantized().t()
     assert torch.allclose(linear(x), expected, rtol=1e-4, atol=1e-4)
-    rebuilt = (codes.float().reshape(48, 3, 32) * scales[..., None] + offsets[..., None]).reshape(48, 96)
+    rebuilt = (codes.float().reshape(48, 3, 32) * scales[..., None] + offsets[..., None]).reshape(
+        48, 96
+    )
     assert torch.allclose(linear.dequantized(), rebuilt, atol=1e-5)
     assert (rebuilt - w).abs().max() <= scales.max() / 2 + 1e-6  # round to nearest
 

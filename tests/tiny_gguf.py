@@ -16,7 +16,9 @@ N_HEADS, N_KV_HEADS, LAYERS = 4, 2, 2
 
 
 def _byte_alphabet() -> list[str]:
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    )
     chars, extra = [], 0
     for b in range(256):
         if b in printable:
@@ -32,7 +34,9 @@ def _random_k_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
     n = rows * cols // 256
     blocks = rng.integers(0, 256, size=(n, nbytes), dtype=np.uint8)
     for off in (0, 2):  # d and dmin as small positive halves
-        blocks[:, off : off + 2] = rng.uniform(0.001, 0.02, size=(n, 1)).astype(np.float16).view(np.uint8)
+        blocks[:, off : off + 2] = (
+            rng.uniform(0.001, 0.02, size=(n, 1)).astype(np.float16).view(np.uint8)
+        )
     return blocks.reshape(rows, -1)
 
 
@@ -40,9 +44,9 @@ def write_tiny_gguf(path: Path, qtype: str = "Q4_1", seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
     kind = gguf.GGMLQuantizationType[qtype]
     # K-quants pack 256 columns a block: rows must be at least that wide
-    HIDDEN = FFN = 256 if qtype.endswith("_K") else 64  # noqa: N806
+    HIDDEN = FFN = 256 if qtype.endswith("_K") else 64
     if not qtype.endswith("_K"):
-        FFN = 128  # noqa: N806
+        FFN = 128
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_alphabet(), "ab"]
     vocab = len(tokens) + (-len(tokens)) % 32  # pad so the head's N is a multiple of 16
     tokens += [f"<|unused{i}|>" for i in range(vocab - len(tokens))]

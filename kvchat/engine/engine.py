@@ -58,7 +58,9 @@ class Engine:
         device, dtype = self.transformer.device, self.transformer.dtype
         default_dev, default_host = default_cache_bytes(device)
         dev_bytes = self.config.device_cache_bytes or default_dev
-        host_bytes = default_host if self.config.host_cache_bytes is None else self.config.host_cache_bytes
+        host_bytes = (
+            default_host if self.config.host_cache_bytes is None else self.config.host_cache_bytes
+        )
         ps = self.config.page_size
         geometry = (mc.num_layers, ps, mc.num_kv_heads, mc.head_dim, dtype)
         kv_format = self.config.kv_format
@@ -75,7 +77,10 @@ class Engine:
         )
         salt = root_salt(model.fingerprint, dtype_name(dtype), self.config.kv_format)
         self.table = PageTable(
-            num_pages, ps, salt, HostTier(host_slots) if host_slots else None,
+            num_pages,
+            ps,
+            salt,
+            HostTier(host_slots) if host_slots else None,
             KVPageMover(self.store, self.host_store),
         )
         self.attention = PagedAttention.for_store(self.store)
@@ -92,7 +97,9 @@ class Engine:
         self._seqs: dict[int, Sequence] = {}
         self._stopping = False
         self._generated = 0
-        self._rates: deque[tuple[float, int, int]] = deque()  # (time, decode tokens, prefill tokens)
+        self._rates: deque[tuple[float, int, int]] = (
+            deque()
+        )  # (time, decode tokens, prefill tokens)
         self._defragmented = True
         self._stats = EngineStats(page_size=ps)
         self._publish_stats()
@@ -114,7 +121,9 @@ class Engine:
         with self._lock:
             request_id = self._next_id
             self._next_id += 1
-            seq = Sequence(request_id, request, on_event, IncrementalDetokenizer(self.tokenizer), self.stop_ids)
+            seq = Sequence(
+                request_id, request, on_event, IncrementalDetokenizer(self.tokenizer), self.stop_ids
+            )
             self._inbox.append(seq)
         self._wake.set()
         return request_id
@@ -172,8 +181,11 @@ class Engine:
             if plan.empty:
                 stuck = self.scheduler.unfittable()
                 if stuck is not None:
-                    self._fail(stuck, "The prompt does not fit in the device cache even when it "
-                               "is empty; raise --device-cache or shorten the conversation.")
+                    self._fail(
+                        stuck,
+                        "The prompt does not fit in the device cache even when it "
+                        "is empty; raise --device-cache or shorten the conversation.",
+                    )
                     return True
                 if not self.scheduler.running and not self._defragmented:
                     self.table.defragment()
@@ -224,25 +236,35 @@ class Engine:
         if n == 0:
             return "The prompt is empty."
         if n >= self.max_context:
-            return (f"The prompt has {n} tokens but the model's context holds {self.max_context}; "
-                    "shorten the conversation or start a new session.")
+            return (
+                f"The prompt has {n} tokens but the model's context holds {self.max_context}; "
+                "shorten the conversation or start a new session."
+            )
         vocab = self.model.config.vocab_size
         if max(seq.tokens) >= vocab or min(seq.tokens) < 0:
             return "The prompt has token ids outside the model's vocabulary (another model's ids?)."
         pages_needed = n // self.config.page_size + 1
         if pages_needed > self.table.num_pages:
-            return (f"The prompt needs {pages_needed} pages but the device cache has "
-                    f"{self.table.num_pages}; raise --device-cache.")
+            return (
+                f"The prompt needs {pages_needed} pages but the device cache has "
+                f"{self.table.num_pages}; raise --device-cache."
+            )
         return None
 
     def _on_admitted(self, seq: Sequence, reservation) -> None:
         if not seq.admitted:
             seq.admitted = True
-            seq.cached = CachedTokens(device=reservation.cached_device, host=reservation.cached_host)
+            seq.cached = CachedTokens(
+                device=reservation.cached_device, host=reservation.cached_host
+            )
             seq.prefilled_tokens = len(seq.tokens) - reservation.cached_tokens
         else:
             seq.recomputed_tokens += len(seq.tokens) - reservation.cached_tokens
-        seq.state = RequestState.PREFILLING if seq.to_compute > 1 or not seq.generated_ids else RequestState.DECODING
+        seq.state = (
+            RequestState.PREFILLING
+            if seq.to_compute > 1 or not seq.generated_ids
+            else RequestState.DECODING
+        )
 
     def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[tuple[int, ...]]]:
         runs = [seq.tokens[seq.num_computed : seq.num_computed + n] for seq, n in plan.runs]
@@ -307,9 +329,9 @@ class Engine:
         reason = None
         if token in seq.stop_ids:
             reason = FinishReason.STOP
-        elif len(seq.generated_ids) >= seq.request.max_tokens:
-            reason = FinishReason.LENGTH
-        elif len(seq.tokens) >= self.max_context:
+        elif (
+            len(seq.generated_ids) >= seq.request.max_tokens or len(seq.tokens) >= self.max_context
+        ):
             reason = FinishReason.LENGTH
         if reason is not None:
             delta += seq.detokenizer.flush()
@@ -329,7 +351,7 @@ class Engine:
             return delta, False
         pending = seq.pending_text + delta
         for stop in stops:
-            at = (seq.text[-len(stop):] + pending).find(stop) if stop else -1
+            at = (seq.text[-len(stop) :] + pending).find(stop) if stop else -1
             if at >= 0:
                 cut = max(0, at - min(len(stop), len(seq.text)))
                 seq.pending_text = ""
@@ -400,7 +422,9 @@ class Engine:
             recomputed_tokens=t.recomputed_tokens,
             generated_tokens=self._generated,
             pages={
-                "device": TierPages(t.device.capacity, t.device.active, t.device.cached, t.device.free),
+                "device": TierPages(
+                    t.device.capacity, t.device.active, t.device.cached, t.device.free
+                ),
                 "host": TierPages(t.host.capacity, t.host.active, t.host.cached, t.host.free),
             },
             evictions=Evictions(t.device_to_host, t.host_dropped, t.device_dropped),

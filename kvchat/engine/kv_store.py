@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-
 KV_FORMATS = ("native", "int8")
 
 

@@ -48,7 +48,7 @@ class PagedAttention:
         k_scale_all: torch.Tensor | None = None,
         v_scale_all: torch.Tensor | None = None,
     ):
-        """K/V stores `[layers, pages, S, Hkv, D]`; with int8 stores, scales `[layers, pages, S, Hkv]`.
+        """K/V stores `[layers, pages, S, Hkv, D]`; for int8, scales `[layers, pages, S, Hkv]`.
 
         int8 K/V are quantized per token and head on write (scale = max|x| / 127) and
         dequantized on read for one sequence's context at a time, never the whole cache.
@@ -99,11 +99,15 @@ class PagedAttention:
         index = torch.zeros(len(views), longest, dtype=torch.long, device=device)
         for i, v in enumerate(views):
             index[i, : v.length] = (
-                v.gather if v.gather is not None else torch.arange(v.start, v.start + v.length, device=device)
+                v.gather
+                if v.gather is not None
+                else torch.arange(v.start, v.start + v.length, device=device)
             )
         lengths = torch.tensor([v.length for v in views], device=device)
         self._decode_index = index  # [B, Lmax]
-        self._decode_mask = (torch.arange(longest, device=device)[None, :] < lengths[:, None])[:, None, None, :]
+        self._decode_mask = (torch.arange(longest, device=device)[None, :] < lengths[:, None])[
+            :, None, None, :
+        ]
 
     @classmethod
     def for_store(cls, store) -> PagedAttention:
@@ -125,7 +129,9 @@ class PagedAttention:
         """One sequence's K or V `[L, Hkv, D]` in the compute dtype."""
         if view.gather is None:
             data = flat.data[view.start : view.start + view.length]  # a view: no copy
-            scale = None if flat.scale is None else flat.scale[view.start : view.start + view.length]
+            scale = (
+                None if flat.scale is None else flat.scale[view.start : view.start + view.length]
+            )
         else:
             data = flat.data[view.gather]
             scale = None if flat.scale is None else flat.scale[view.gather]
@@ -149,7 +155,9 @@ class PagedAttention:
         flat.data.index_copy_(0, self._slots, codes)
         flat.scale.index_copy_(0, self._slots, scale.to(flat.scale.dtype))
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         assert self._batch is not None and self._slots is not None, "prepare() first"
         k_flat, v_flat = self._flat(layer)
         self._write(k_flat, k)

@@ -16,7 +16,8 @@ from kvchat.engine.request import SamplingParams
 def apply_repetition_penalty(
     logits: torch.Tensor, seen: Sequence[int], penalty: float
 ) -> torch.Tensor:
-    """transformers' rule: divide positive logits of seen tokens by the penalty, multiply negatives."""
+    """transformers' rule: positive logits of seen tokens are divided by the penalty,
+    negative ones multiplied."""
     if penalty == 1.0 or not seen:
         return logits
     idx = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)

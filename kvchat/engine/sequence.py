@@ -51,7 +51,9 @@ class Sequence:
         self.generator: torch.Generator | None = None
         if not request.sampling.greedy:
             self.generator = torch.Generator()
-            self.generator.manual_seed(seed if seed is not None else int.from_bytes(_random_bytes(), "little"))
+            self.generator.manual_seed(
+                seed if seed is not None else int.from_bytes(_random_bytes(), "little")
+            )
 
     @property
     def generated_ids(self) -> list[int]:

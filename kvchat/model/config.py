@@ -73,7 +73,9 @@ class ModelConfig:
             # older configs have "rope_theta" and "rope_scaling".
             rope = raw.get("rope_parameters") or {}
             theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-            scaling = rope if rope.get("rope_type") not in (None, "default") else raw.get("rope_scaling")
+            scaling = (
+                rope if rope.get("rope_type") not in (None, "default") else raw.get("rope_scaling")
+            )
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             return cls(
@@ -105,7 +107,9 @@ class ModelConfig:
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError as exc:
-            raise ModelLoadError(f"{path} is missing: is this a Hugging Face model folder?") from exc
+            raise ModelLoadError(
+                f"{path} is missing: is this a Hugging Face model folder?"
+            ) from exc
         except (OSError, json.JSONDecodeError) as exc:
             raise ModelLoadError(f"{path} cannot be read as JSON ({exc}).") from exc
         return cls.from_dict(raw)

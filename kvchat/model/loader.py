@@ -8,6 +8,7 @@ dequantizing again. After that, every source is a Hugging Face folder.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable
@@ -138,10 +139,8 @@ def _native_quantized(source, folder, config, dtype, tensors, progress) -> dict:
             cache.unlink(missing_ok=True)
     progress("Preparing the 4-bit weights for the CPU kernels, once...")
     quantized = quantized_linears(GGUFFile.open(source), config, dtype, tensors)
-    try:
+    with contextlib.suppress(OSError):  # no room to cache: it is rebuilt at the next start
         save_linears(cache, quantized)
-    except OSError:
-        pass  # no room to cache: it is rebuilt at the next start
     return quantized
 
 

@@ -41,5 +41,7 @@ def quantize_weights(
                 out[prefix + target] = Int8Linear(weight, dtype, bias=bias, dense=weight)
             elif int4_supported(device, weight.shape[1], weight.shape[0]):
                 codes, scales, offsets = quantize_int4_rtn(weight)
-                out[prefix + target] = Int4Linear(codes, scales, offsets, dtype, bias=bias, dense=weight)
+                out[prefix + target] = Int4Linear(
+                    codes, scales, offsets, dtype, bias=bias, dense=weight
+                )
     return out

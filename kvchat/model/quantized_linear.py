@@ -93,7 +93,10 @@ class Int4Linear:
         return y if self.bias is None else y + self.bias
 
     def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scale_zeros.numel() * self.scale_zeros.element_size()
+        return (
+            self.packed.numel() * self.packed.element_size()
+            + self.scale_zeros.numel() * self.scale_zeros.element_size()
+        )
 
     def dequantized(self) -> torch.Tensor:
         """The float weight this layer multiplies by (for tests and fallbacks)."""
@@ -101,7 +104,9 @@ class Int4Linear:
         return torch._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP_SIZE, self.scale_zeros).t()
 
     @classmethod
-    def fused(cls, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dtype, **kw) -> Int4Linear:
+    def fused(
+        cls, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dtype, **kw
+    ) -> Int4Linear:
         """Several projections of the same input stacked by rows into one weight."""
         codes, scales, offsets = (torch.cat([p[i] for p in parts], dim=0) for i in range(3))
         return cls(codes, scales, offsets, dtype, **kw)

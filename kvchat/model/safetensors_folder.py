@@ -40,7 +40,9 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_tensors(folder: Path, dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def read_tensors(
+    folder: Path, dtype: torch.dtype, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
     for path in weight_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:

@@ -95,7 +95,8 @@ class Transformer:
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self.layers = [
-            Layer(config, _strip_prefix(weights, f"model.layers.{i}.")) for i in range(config.num_layers)
+            Layer(config, _strip_prefix(weights, f"model.layers.{i}."))
+            for i in range(config.num_layers)
         ]
         self.max_positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryTable(config, self.max_positions, self.dtype, self.device)
