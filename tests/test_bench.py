@@ -30,9 +30,11 @@ def bench(tmp_path_factory) -> tuple[int, dict, Path]:
     root = tmp_path_factory.mktemp("bench")
     folder = write_tiny_model(root / "tiny", "llama")
     out = root / "out"
-    code = main(
-        ["bench", "--quick", "--model", str(folder), "--dtype", "float32", "--out", str(out)]
-    )
+    with pytest.MonkeyPatch.context() as mp:  # module scope: its own kvchat home, no settings
+        mp.setenv("KVCHAT_HOME", str(root / "home"))
+        code = main(
+            ["bench", "--quick", "--model", str(folder), "--dtype", "float32", "--out", str(out)]
+        )
     return code, json.loads((out / "bench.json").read_text()), out
 
 

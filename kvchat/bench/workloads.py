@@ -27,7 +27,7 @@ from kvchat.bench.machine import (
     memory_bandwidth_gbs,
     weight_bytes_per_token,
 )
-from kvchat.bench.peers.base import ChatEngine, NotApplicable, TurnResult
+from kvchat.bench.peers.base import ChatEngine, ChatPeer, NotApplicable, SpeedPeer, TurnResult
 from kvchat.bench.peers.kvchat import KvchatPeer
 
 WORKLOAD_NAMES = ("speed", "W1", "sweep", "W2", "W3", "W4")
@@ -62,15 +62,15 @@ QUICK = BenchPlan(
     repeats=1,
     prefill_lengths=(128, 512),
     decode_prompt=128,
-    decode_tokens=32,
+    decode_tokens=16,
     bandwidth_bytes=128 << 20,
     doc_tokens=256,
     rounds=1,
-    answer_tokens=16,
+    answer_tokens=8,
     sweep_lengths=(256, 512),
-    sweep_answer_tokens=4,
+    sweep_answer_tokens=2,
     w2_sessions=8,
-    w2_tokens=16,
+    w2_tokens=8,
     w3_ingest_tokens=768,
     w3_baseline_tokens=16,
 )
@@ -109,8 +109,8 @@ class BenchContext:
     model: object  # kvchat.model.loader.LoadedModel
     plan: BenchPlan
     kvchat: KvchatPeer
-    chat_peers: dict[str, object] = field(default_factory=dict)  # name -> peer with .chat()
-    speed_peers: dict[str, object] = field(default_factory=dict)  # name -> .speed()/.batch()
+    chat_peers: dict[str, ChatPeer] = field(default_factory=dict)
+    speed_peers: dict[str, SpeedPeer] = field(default_factory=dict)
     # kvchat with its weights dense in the compute dtype, when its default is quantized:
     # the same-dtype comparison with transformers (speed only)
     kvchat_variants: dict[str, KvchatPeer] = field(default_factory=dict)

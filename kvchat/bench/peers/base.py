@@ -70,8 +70,8 @@ class ChatEngine(Protocol):
     def close(self) -> None: ...
 
 
-class Peer(Protocol):
-    """A loaded engine. Methods raise `NotApplicable` for workloads it cannot run."""
+class ChatPeer(Protocol):
+    """An engine that keeps conversations (W1, the sweep)."""
 
     name: str
     description: str  # one line for the report: what it is and how it keeps state
@@ -79,6 +79,18 @@ class Peer(Protocol):
     def chat(self, capacity_tokens: int) -> ChatEngine:
         """A fresh chat with nothing cached; `capacity_tokens` bounds what it must hold."""
         ...
+
+    def close(self) -> None: ...
+
+
+class SpeedPeer(Protocol):
+    """An engine measured on raw speed (speed) and batched generation (W2).
+
+    `batch` raises `NotApplicable` when the engine cannot run sequences together.
+    """
+
+    name: str
+    description: str
 
     def speed(
         self,
