@@ -83,16 +83,18 @@ def start_engine(options: RuntimeOptions, progress: Callable[[str], None]):
     from kvchat.engine.engine import Engine
     from kvchat.model.loader import load_model
 
-    model = load_model(
-        options.model,
-        dtype=options.dtype,
-        device=options.device,
-        weights=options.weights,
-        quantize=options.quantize,
-        progress=progress,
-    )
-    engine = Engine(model, engine_config(options))
-    return model, engine
+    def load():
+        return load_model(
+            options.model,
+            dtype=options.dtype,
+            device=options.device,
+            weights=options.weights,
+            quantize=options.quantize,
+            progress=progress,
+        )
+
+    engine = Engine.launch(load, engine_config(options))  # all torch work on one thread
+    return engine.model, engine
 
 
 def describe_cache(engine) -> str:

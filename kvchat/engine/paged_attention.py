@@ -61,6 +61,7 @@ class PagedAttention:
         self.page_size = int(k_all.shape[2])
         self.num_kv_heads = int(k_all.shape[3])
         self.head_dim = int(k_all.shape[4])
+        self._layers = [self._make_flat(i) for i in range(k_all.shape[0])]  # views, made once
         self.scale = self.head_dim**-0.5
         self._batch: ForwardBatch | None = None
         self._slots: torch.Tensor | None = None
@@ -114,7 +115,7 @@ class PagedAttention:
         """Over a `kv_store.DeviceKVStore` (either KV format)."""
         return cls(store.k_all, store.v_all, store.k_scale_all, store.v_scale_all)
 
-    def _flat(self, layer: int) -> tuple[_FlatKV, _FlatKV]:
+    def _make_flat(self, layer: int) -> tuple[_FlatKV, _FlatKV]:
         shape = (-1, self.num_kv_heads, self.head_dim)
         k = self.k_all[layer].view(shape)  # [P*S, Hkv, D]
         v = self.v_all[layer].view(shape)
@@ -159,7 +160,7 @@ class PagedAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         assert self._batch is not None and self._slots is not None, "prepare() first"
-        k_flat, v_flat = self._flat(layer)
+        k_flat, v_flat = self._layers[layer]
         self._write(k_flat, k)
         self._write(v_flat, v)
         if self._batch.is_decode_only:

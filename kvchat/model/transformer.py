@@ -22,9 +22,14 @@ from kvchat.model.rope import RotaryTable, apply_rotary
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: variance in float32, scale applied in the input dtype."""
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)  # one fused op instead of five
-    return weight * normed.to(x.dtype)
+    """transformers' LlamaRMSNorm: float32 statistics, the scale applied in the input dtype.
+
+    The sum of squares comes from one `vector_norm` reduction in float32: on CPU
+    `F.rms_norm` decomposes into more (and slower) ops than this for a decode step.
+    """
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # [T, 1]
+    inv = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(eps))
+    return weight * (x.float() * inv).to(x.dtype)
 
 
 class Layer:
