@@ -212,7 +212,7 @@ async def test_interrupted_reply_is_restored_and_marked(tmp_path):
     app, _ = fake_app(store=Store(tmp_path / "db.sqlite3"))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
-        assert app.current == "s1"
+        await wait_until(pilot, lambda: app.current == "s1", 20, "the restored session shown")
         assert app.sidebar.rows()["s1"].view.title == "restored chat"
         assert transcript_texts(app) == [
             ("user", "complete", "tell me"),
