@@ -56,7 +56,7 @@ def _check_format(kv_format: str) -> None:
 
 
 class DeviceKVStore:
-    """The device pool: K and V for every layer and page, zero-initialized.
+    """The device pool: K and V for every layer and page (only page 0 zero-initialized).
 
     With `kv_format="int8"`, `k_all`/`v_all` hold int8 codes and `k_scale_all`/
     `v_scale_all` `[L, P, S, Hkv]` one scale per token and head (in `dtype`).
@@ -81,13 +81,19 @@ class DeviceKVStore:
         self.kv_format = kv_format
         self.compute_dtype = dtype
         store_dtype = torch.int8 if kv_format == "int8" else dtype
-        self.k_all = torch.zeros(shape, dtype=store_dtype, device=device)  # [L, P, S, Hkv, D]
-        self.v_all = torch.zeros(shape, dtype=store_dtype, device=device)
+        # `empty`, not `zeros`: zeroing gigabytes at start costs seconds of page faults and
+        # commits RAM no page uses yet. Unwritten slots are never read (a context is read up
+        # to its length only) except padding in batched decode, which reads slot 0 of page 0
+        # and masks it: page 0 is zeroed so even that read is of finite numbers.
+        self.k_all = torch.empty(shape, dtype=store_dtype, device=device)  # [L, P, S, Hkv, D]
+        self.v_all = torch.empty(shape, dtype=store_dtype, device=device)
         self.k_scale_all: torch.Tensor | None = None
         self.v_scale_all: torch.Tensor | None = None
         if kv_format == "int8":
-            self.k_scale_all = torch.zeros(shape[:-1], dtype=dtype, device=device)  # [L, P, S, Hkv]
-            self.v_scale_all = torch.zeros(shape[:-1], dtype=dtype, device=device)
+            self.k_scale_all = torch.empty(shape[:-1], dtype=dtype, device=device)  # [L, P, S, Hkv]
+            self.v_scale_all = torch.empty(shape[:-1], dtype=dtype, device=device)
+        for part in self.parts:
+            part[:, 0].zero_()
 
     @property
     def parts(self) -> list[torch.Tensor]:
@@ -136,13 +142,14 @@ class HostKVStore:
         self.pinned = pin
         self.kv_format = kv_format
         store_dtype = torch.int8 if kv_format == "int8" else dtype
-        self.k_all = torch.zeros(shape, dtype=store_dtype, pin_memory=pin)  # [slots, L, S, Hkv, D]
-        self.v_all = torch.zeros(shape, dtype=store_dtype, pin_memory=pin)
+        # only full pages are ever copied in, so nothing unwritten is read: `empty` suffices
+        self.k_all = torch.empty(shape, dtype=store_dtype, pin_memory=pin)  # [slots, L, S, Hkv, D]
+        self.v_all = torch.empty(shape, dtype=store_dtype, pin_memory=pin)
         self.k_scale_all: torch.Tensor | None = None
         self.v_scale_all: torch.Tensor | None = None
         if kv_format == "int8":
-            self.k_scale_all = torch.zeros(shape[:-1], dtype=dtype, pin_memory=pin)
-            self.v_scale_all = torch.zeros(shape[:-1], dtype=dtype, pin_memory=pin)
+            self.k_scale_all = torch.empty(shape[:-1], dtype=dtype, pin_memory=pin)
+            self.v_scale_all = torch.empty(shape[:-1], dtype=dtype, pin_memory=pin)
 
     @property
     def parts(self) -> list[torch.Tensor]:
