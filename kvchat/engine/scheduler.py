@@ -73,6 +73,9 @@ class Scheduler:
             if seq in self.running:
                 plan.runs.append((seq, 1))
                 budget -= 1
+        # Streams are running: a long prompt gets small chunks, so their latency stays bounded.
+        if plan.runs:
+            budget = min(budget, self.config.prefill_tokens_while_decoding)
         # 2. prefills already under way continue in admission order
         for seq in self.running:
             if budget <= 0:
