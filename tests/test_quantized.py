@@ -75,3 +75,51 @@ def test_prepared_weights_cache_reloads_the_same_layers(tmp_path):
     # 80-token chunks run the dense/int8 paths at M >= 32, where unaligned weights crashed
     batch_logits = [kvchat_logits(m, ids, paged=True) for m in (first, again)]
     assert torch.equal(batch_logits[0], batch_logits[1])
+
+
+def test_quantized_folder_is_cached_for_the_next_start(tmp_path, kvchat_home):
+    from tests.tiny_models import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "m", "llama", hidden_size=64, intermediate_size=128)
+    first = load_model(str(folder), dtype="float32", device="cpu", quantize="int4")
+    cached = list(
+        (kvchat_home / "cache" / "models" / "quantized").glob("*-int4-float32.safetensors")
+    )
+    assert len(cached) == 1
+    again = load_model(str(folder), dtype="float32", device="cpu", quantize="int4")
+    ids = ids_for(first)
+    assert torch.equal(kvchat_logits(first, ids, paged=True), kvchat_logits(again, ids, paged=True))
+
+
+AGREEMENT_PROMPTS = [
+    "Explain why the sky is blue.",
+    "Write a haiku about autumn leaves.",
+    "What are the three states of matter?",
+    "Give me a short tip for learning Python.",
+    "Describe a cat in two sentences.",
+]
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_default_model_int4_path_agrees_with_dequantized_bf16(default_gguf_path, capsys):
+    """Issue bar: the int4 path and the dequantized bf16 path agree on >= 60 of 64 greedy
+    tokens for 5 fixed prompts (tokens compared position by position)."""
+    from tests.engine_helpers import generate
+
+    native = load_model(str(default_gguf_path), dtype="bfloat16", device="cpu")
+    dense = load_model(str(default_gguf_path), dtype="bfloat16", device="cpu", weights="bf16")
+    ids = native.renderer.prompt_ids([{"role": "user", "content": AGREEMENT_PROMPTS[0]}])
+    assert (
+        rel_err(kvchat_logits(native, ids, paged=True), kvchat_logits(dense, ids, paged=True))
+        < 0.06
+    )
+    agreement = []
+    for text in AGREEMENT_PROMPTS:
+        ids = native.renderer.prompt_ids([{"role": "user", "content": text}])
+        a = generate(native, ids, max_tokens=64, ignore_eos=True)
+        b = generate(dense, ids, max_tokens=64, ignore_eos=True)
+        agreement.append(sum(x == y for x, y in zip(a, b, strict=True)))
+    with capsys.disabled():
+        print(f"\nint4 vs dequantized bf16, greedy tokens in agreement of 64: {agreement}")
+    assert all(n >= 60 for n in agreement), agreement

@@ -102,9 +102,7 @@ def load_model(
             tensors.update(quantized)
             fingerprint += "-q4native"
     elif quantize is not None:
-        from kvchat.model.quantize import quantize_weights
-
-        tensors.update(quantize_weights(tensors, config, quantize, torch_dtype, dev))
+        tensors.update(_quantized_folder(fingerprint, quantize, config, torch_dtype, dev, tensors))
         fingerprint += f"-{quantize}"
     transformer = Transformer(config, tensors)
     template = ChatTemplate(
@@ -140,6 +138,30 @@ def _native_quantized(source, folder, config, dtype, tensors, progress) -> dict:
     progress("Preparing the 4-bit weights for the CPU kernels, once...")
     quantized = quantized_linears(GGUFFile.open(source), config, dtype, tensors)
     with contextlib.suppress(OSError):  # no room to cache: it is rebuilt at the next start
+        save_linears(cache, quantized)
+    return quantized
+
+
+def _quantized_folder(fingerprint, mode, config, dtype, device, tensors) -> dict:
+    """`--quantize` layers for a Hugging Face folder, cached on disk after the first start."""
+    from kvchat.model.quantize import quantize_weights
+    from kvchat.model.quantized_linear import load_linears, save_linears
+
+    if device.type != "cpu":
+        return {}
+    cache = (
+        app_paths().models_dir
+        / "quantized"
+        / f"{fingerprint}-{mode}-{dtype_name(dtype)}.safetensors"
+    )
+    if cache.exists():
+        try:
+            return load_linears(cache)
+        except Exception:  # a damaged cache is rebuilt, never fatal
+            cache.unlink(missing_ok=True)
+    quantized = quantize_weights(tensors, config, mode, dtype, device)
+    with contextlib.suppress(OSError):  # no room to cache: it is rebuilt at the next start
+        cache.parent.mkdir(parents=True, exist_ok=True)
         save_linears(cache, quantized)
     return quantized
 

@@ -1,0 +1,111 @@
+"""Engine throughput under the TUI vs headless (issue 7's bar: at least 90%).
+
+Eight sessions each generate 128 tokens at once on the default model, first through
+the session layer alone (what `kvchat run` does), then inside the real `KvchatApp`
+(Textual, headless via `run_test`, the transcript of one session visible and
+streaming, meters refreshing). The figure is aggregate generated tokens per second
+from the first token to the last; the same engine settings both times.
+
+    python benchmarks/tui_throughput.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvchat.chat.engine_port import ChatBackend
+from kvchat.chat.service import SessionService
+from kvchat.chat.store import Store
+from kvchat.engine.config import EngineConfig
+from kvchat.engine.engine import Engine
+from kvchat.engine.request import SamplingParams
+from kvchat.model.loader import load_model
+from kvchat.tui.app import KvchatApp
+from kvchat.tui.backend import TuiBackend
+from tests.tui_helpers import ready, wait_until
+
+SESSIONS, TOKENS = 8, 128
+GREEDY = SamplingParams(temperature=0.0)
+CONFIG = EngineConfig(device_cache_bytes=512 << 20, host_cache_bytes=0)
+
+
+def launch() -> Engine:
+    return Engine.launch(lambda: load_model(None, dtype="bfloat16"), CONFIG)
+
+
+def rate(times: list[tuple[float, int]]) -> float:
+    """Tokens per second from the first delta to the last (the first delta's tokens excluded)."""
+    first = min(t for t, _ in times)
+    last = max(t for t, _ in times)
+    return (sum(n for _, n in times) - times[0][1]) / (last - first)
+
+
+def recorder(times: list[tuple[float, int]]):
+    def on_event(event) -> None:
+        if type(event).__name__ == "ReplyDelta":
+            times.append((time.perf_counter(), len(event.token_ids)))
+
+    return on_event
+
+
+def start_all(service: SessionService, ids: list[str]) -> None:
+    for i, sid in enumerate(ids):
+        service.say(sid, f"Tell me a long story number {i}.", sampling=GREEDY,
+                    max_tokens=TOKENS, ignore_eos=True)  # fmt: skip
+
+
+def headless() -> float:
+    engine = launch()
+    service = SessionService(engine, engine.model.renderer, Store.in_memory(),
+                             stop_token_ids=engine.model.tokenizer.stop_token_ids)  # fmt: skip
+    times: list[tuple[float, int]] = []
+    service.subscribe(recorder(times))
+    ids = [service.create_session(f"s{i}") for i in range(SESSIONS)]
+    start_all(service, ids)
+    assert service.wait_idle(None, timeout=600)
+    service.close()
+    engine.close()
+    return rate(times)
+
+
+async def under_tui() -> float:
+    def factory(report):
+        engine = launch()
+        model = engine.model
+        return TuiBackend(
+            chat=ChatBackend(engine, model.renderer, frozenset(model.tokenizer.stop_token_ids)),
+            default_sampling=GREEDY,
+            default_max_tokens=TOKENS,
+            description="bench",
+            close=engine.close,
+        )
+
+    app = KvchatApp(factory, store_factory=Store.in_memory)
+    times: list[tuple[float, int]] = []
+    async with app.run_test(size=(160, 45)) as pilot:
+        await ready(pilot, app)
+        app.service.subscribe(recorder(times))
+        ids = []
+        for i in range(SESSIONS):
+            await pilot.press("ctrl+n")
+            await wait_until(pilot, lambda n=i + 1: len(app.sidebar.order) == n, 30)
+            ids.append(app.current)
+        start_all(app.service, ids)
+        total = SESSIONS * TOKENS
+        await wait_until(pilot, lambda: sum(n for _, n in times) >= total, 600, "all replies")
+        return rate(times)
+
+
+def main() -> None:
+    a = headless()
+    b = asyncio.run(under_tui())
+    print(f"headless: {a:.1f} tok/s; under the TUI: {b:.1f} tok/s; ratio {b / a:.2f}")
+
+
+if __name__ == "__main__":
+    main()
