@@ -25,8 +25,9 @@ class EngineConfig:
     step_token_budget: int = 512  # tokens per step: decodes first, prefill chunks fill the rest
     # While other requests are decoding, prefill chunks are capped at this many tokens a step,
     # so a long prompt slows their streams by a bounded factor (W3): measured on the 2-core
-    # target (W3, 4k-token ingest beside 3 streams), 96-token chunks gave a p99 of 4.1x the
-    # streams alone; 48 tokens keep it near 2.5x at the cost of a slower ingest.
+    # target (W3: a 4k-token ingest beside 3 streams), the streams' p99 inter-token latency
+    # was 160 ms with 96-token chunks (ingest 4.8 s), 112 ms with 48 (6.7 s), 95 ms with 24
+    # (12.7 s); 48 balances the streams against the ingesting session's wait.
     prefill_tokens_while_decoding: int = 48
     max_skips: int = 8  # how often a waiting request may be overtaken by later ones
     max_rq_tokens: int = 2048  # a long generation requeues itself after this many tokens

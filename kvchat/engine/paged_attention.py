@@ -38,6 +38,7 @@ class _ContextView:
     start: int  # first flat slot when contiguous
     length: int
     gather: torch.Tensor | None  # [L] flat slot indices when not contiguous
+    pages: torch.Tensor | None = None  # [n] page indices when not contiguous
 
 
 class PagedAttention:
@@ -85,7 +86,7 @@ class PagedAttention:
             else:
                 page_idx = torch.tensor(pages[:used], dtype=torch.long)
                 flat = (page_idx[:, None] * S + torch.arange(S)).reshape(-1)[:total]
-                views.append(_ContextView(0, total, flat.to(device)))
+                views.append(_ContextView(0, total, flat.to(device), page_idx.to(device)))
         self._batch = batch
         self._slots = torch.tensor(slots, dtype=torch.long, device=device)
         self._views = views
@@ -134,8 +135,16 @@ class PagedAttention:
                 None if flat.scale is None else flat.scale[view.start : view.start + view.length]
             )
         else:
-            data = flat.data[view.gather]
-            scale = None if flat.scale is None else flat.scale[view.gather]
+            # Whole pages at a time: one index_select of page-sized blocks copies the same
+            # bytes as a per-slot gather but several times faster (benchmarks/defrag.py).
+            S = self.page_size
+            assert view.pages is not None
+            data = flat.data.view(-1, S, *flat.data.shape[1:])[view.pages]
+            data = data.view(-1, *flat.data.shape[1:])[: view.length]
+            scale = None
+            if flat.scale is not None:
+                scale = flat.scale.view(-1, S, flat.scale.shape[1])[view.pages]
+                scale = scale.view(-1, flat.scale.shape[1])[: view.length]
         if scale is None:
             return data
         return data.to(scale.dtype) * scale.unsqueeze(-1)
