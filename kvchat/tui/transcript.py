@@ -123,7 +123,12 @@ class Transcript(VerticalScroll):
             )
         widgets += [MessageBlock(m) for m in messages[hidden:]]
         if session_id is None:
-            widgets.append(Label("No session yet: press ctrl+n to start one.", classes="empty"))
+            widgets.append(
+                Label(
+                    "No session yet: type a message below to start one (or press ctrl+n).",
+                    classes="empty",
+                )
+            )
         elif not messages:
             widgets.append(Label("Type a message below and press enter.", classes="empty"))
         with self.app.batch_update():
