@@ -211,3 +211,17 @@ def test_prompt_longer_than_the_context_fails_with_a_clear_error(tiny):
         done = c.wait()
     assert done.reason == FinishReason.ERROR
     assert "context" in (done.error or "")
+
+
+def test_an_internal_error_fails_live_requests_instead_of_hanging(tiny, monkeypatch):
+    with small_engine(tiny) as engine:
+        c = Collector()
+
+        def broken_schedule():
+            raise RuntimeError("scheduler bug")
+
+        monkeypatch.setattr(engine.scheduler, "schedule", broken_schedule)
+        engine.submit(GenerationRequest((5, 6, 7), max_tokens=4), c)
+        done = c.wait(timeout=30)
+        assert done.reason == FinishReason.ERROR
+        assert "internal error" in (done.error or "")

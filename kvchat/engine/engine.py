@@ -204,8 +204,9 @@ class Engine:
         while not self._stopping:
             try:
                 worked = self.step()
-            except Exception:  # a bug: log it, fail what was running, keep serving
+            except Exception as exc:  # a bug: log it, fail what was live, keep serving
                 log.exception("engine step failed")
+                self._fail_all(f"The engine hit an internal error ({exc}); see the error log.")
                 worked = True
             if not worked:
                 self._wake.wait(timeout=0.5)
@@ -408,6 +409,16 @@ class Engine:
                     break
         seq.pending_text = pending[len(pending) - hold :] if hold else ""
         return pending[: len(pending) - hold], False
+
+    def _fail_all(self, message: str) -> None:
+        """Finish every live request with an error, so no caller waits forever after a bug."""
+        with self._lock:
+            for seq in list(self._seqs.values()):
+                try:
+                    self._fail(seq, message)
+                except Exception:  # the table itself may be what broke: still tell the caller
+                    log.exception("failing a request after an engine error")
+                    self._seqs.pop(seq.id, None)
 
     def _fail(self, seq: Sequence, message: str) -> None:
         self._finish(seq, FinishReason.ERROR, message)
