@@ -40,10 +40,55 @@ def int4_supported(device: torch.device, in_features: int, out_features: int) ->
     )
 
 
-class Int4Linear:
+class _WeightOnlyLinear:
+    """What the int4 and int8 layers share: an optional bias, an optional dense copy used
+    for batches of `DENSE_FROM_TOKENS` rows or more, and (de)serialization of their
+    tensors for the prepared-weights cache. Subclasses name their own tensors in
+    `_TENSORS` and implement `_matmul` and `_set_shape`."""
+
+    __slots__ = ("bias", "dense", "in_features", "out_features")
+    _TENSORS: tuple[str, ...] = ()
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _set_shape(self) -> None:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= DENSE_FROM_TOKENS:
+            return F.linear(x, self.dense, self.bias)
+        y = self._matmul(x)
+        return y if self.bias is None else y + self.bias
+
+    def nbytes(self) -> int:
+        tensors = (getattr(self, name) for name in self._TENSORS)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        out = {name: getattr(self, name) for name in self._TENSORS}
+        for name in ("bias", "dense"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]):
+        """Rebuild from `state()` (the prepared-weights cache) without quantizing again."""
+        self = cls.__new__(cls)
+        for name in cls._TENSORS:
+            setattr(self, name, state[name])
+        self.bias = state.get("bias")
+        self.dense = state.get("dense")
+        self._set_shape()
+        return self
+
+
+class Int4Linear(_WeightOnlyLinear):
     """W [N, K] as 4-bit codes with a bf16/fp32 scale and zero per group of 32 columns."""
 
-    __slots__ = ("bias", "dense", "in_features", "out_features", "packed", "scale_zeros")
+    __slots__ = ("packed", "scale_zeros")
+    _TENSORS = ("packed", "scale_zeros")
 
     def __init__(
         self,
@@ -66,37 +111,12 @@ class Int4Linear:
         self.bias = bias
         self.dense = dense
 
-    @classmethod
-    def from_state(cls, state: dict[str, torch.Tensor]) -> Int4Linear:
-        """Rebuild from `state()` (the prepared-weights cache) without repacking."""
-        self = cls.__new__(cls)
-        self.packed = state["packed"]
-        self.scale_zeros = state["scale_zeros"]
-        self.bias = state.get("bias")
-        self.dense = state.get("dense")
+    def _set_shape(self) -> None:
         self.out_features = self.scale_zeros.shape[1]
         self.in_features = self.scale_zeros.shape[0] * GROUP_SIZE
-        return self
 
-    def state(self) -> dict[str, torch.Tensor]:
-        out = {"packed": self.packed, "scale_zeros": self.scale_zeros}
-        if self.bias is not None:
-            out["bias"] = self.bias
-        if self.dense is not None:
-            out["dense"] = self.dense
-        return out
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= DENSE_FROM_TOKENS:
-            return F.linear(x, self.dense, self.bias)
-        y = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scale_zeros)
-        return y if self.bias is None else y + self.bias
-
-    def nbytes(self) -> int:
-        return (
-            self.packed.numel() * self.packed.element_size()
-            + self.scale_zeros.numel() * self.scale_zeros.element_size()
-        )
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scale_zeros)
 
     def dequantized(self) -> torch.Tensor:
         """The float weight this layer multiplies by (for tests and fallbacks)."""
@@ -112,10 +132,11 @@ class Int4Linear:
         return cls(codes, scales, offsets, dtype, **kw)
 
 
-class Int8Linear:
+class Int8Linear(_WeightOnlyLinear):
     """W [N, K] as int8 with one scale per output channel (round to nearest)."""
 
-    __slots__ = ("bias", "dense", "in_features", "out_features", "q", "scales")
+    __slots__ = ("q", "scales")
+    _TENSORS = ("q", "scales")
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype, *, bias=None, dense=None):
         self.out_features, self.in_features = weight.shape
@@ -126,32 +147,11 @@ class Int8Linear:
         self.bias = bias
         self.dense = dense
 
-    @classmethod
-    def from_state(cls, state: dict[str, torch.Tensor]) -> Int8Linear:
-        self = cls.__new__(cls)
-        self.q = state["q"]
-        self.scales = state["scales"]
-        self.bias = state.get("bias")
-        self.dense = state.get("dense")
+    def _set_shape(self) -> None:
         self.out_features, self.in_features = self.q.shape
-        return self
 
-    def state(self) -> dict[str, torch.Tensor]:
-        out = {"q": self.q, "scales": self.scales}
-        if self.bias is not None:
-            out["bias"] = self.bias
-        if self.dense is not None:
-            out["dense"] = self.dense
-        return out
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= DENSE_FROM_TOKENS:
-            return F.linear(x, self.dense, self.bias)
-        y = torch._weight_int8pack_mm(x, self.q, self.scales.to(x.dtype))
-        return y if self.bias is None else y + self.bias
-
-    def nbytes(self) -> int:
-        return self.q.numel() + self.scales.numel() * self.scales.element_size()
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.q, self.scales.to(x.dtype))
 
 
 def quantize_int4_rtn(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
