@@ -366,14 +366,60 @@ def test_defragment_lays_chains_out_contiguously_from_page_zero() -> None:
     moved = table.defragment()
     table.validate()
     assert moved > 0
-    firsts = [table.page_info(p).tokens[:1] for p in range(6)]
-    assert firsts == [(100,), (104,), (108,), (112,), (200,), (204,)]
-    for p in range(6):
+    # the longer tree first, then two free pages of room to grow, then the next tree
+    firsts = [table.page_info(p).tokens[:1] for p in range(8)]
+    assert firsts == [(100,), (104,), (108,), (112,), (), (), (200,), (204,)]
+    for p in (0, 1, 2, 3, 6, 7):
         info = table.page_info(p)
         assert tuple(s[-1] for s in mover.dev[p]) == info.tokens  # data moved with the page
     assert table.defragment() == 0  # already packed
     res = run_turn(table, mover, 3, [*a, 9])
-    assert res.pages[:4] == (0, 1, 2, 3)
+    assert res.pages == (0, 1, 2, 3, 4)  # the next turn grows into the room left after it
+
+
+def test_defragment_leaves_no_gaps_when_the_pool_is_nearly_full() -> None:
+    table, mover = make(7)  # one spare page: room to move, not to leave a gap per tree
+    a, b = list(range(100, 112)), list(range(200, 212))
+    table.reserve(1, a[:1], count_as="prompt")
+    table.reserve(2, b[:1], count_as="prompt")
+    for n in range(1, 13):
+        compute(table, mover, 1, a[:n])
+        compute(table, mover, 2, b[:n])
+    table.release(1)
+    table.release(2)
+    assert table.defragment() > 0
+    table.validate()
+    firsts = [table.page_info(p).tokens[:1] for p in range(6)]
+    assert firsts == [(100,), (104,), (108,), (200,), (204,), (208,)]
+
+
+def test_a_new_turn_extends_the_cached_partial_page_in_place() -> None:
+    """The previous turn's partial page is the new turn's tail page (no copy), and the
+    new pages follow it, so the whole context stays one ascending run of pages."""
+    table, mover = make(16)
+    turn1 = list(range(10))  # pages 0, 1 full; page 2 holds 2 tokens
+    first = run_turn(table, mover, 1, turn1)
+    assert first.pages == (0, 1, 2)
+    run_turn(table, mover, 2, [50, 51, 52, 53, 54])  # another conversation: pages 3, 4
+    turn2 = [*turn1, *range(20, 27)]  # 17 tokens + 1 generated: 5 pages
+    before = mover.count("copy")
+    res = run_turn(table, mover, 3, turn2)
+    assert mover.count("copy") == before  # extended in place, not copied
+    assert res.reused_tail == 2 and res.to_compute_from == len(turn1)
+    assert res.pages[:3] == (0, 1, 2)
+    assert res.pages[3:] == (5, 6)  # one run after the other conversation's pages
+    counters_add_up(table)
+
+
+def test_a_partial_page_with_more_tokens_than_matched_is_copied_not_extended() -> None:
+    table, mover = make(16)
+    run_turn(table, mover, 1, [*range(8), 30, 31, 32])  # page 2 holds 30, 31, 32
+    before = mover.count("copy")
+    res = run_turn(table, mover, 2, [*range(8), 30, 40])  # shares only 30 of that page
+    assert mover.count("copy") == before + 1
+    assert res.reused_tail == 1
+    # the other branch's tail is still cached and still matches in full
+    assert table.residency([*range(8), 30, 31, 32, 33]).device == 11
 
 
 def test_defragment_does_nothing_while_a_sequence_is_live() -> None:

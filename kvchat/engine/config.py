@@ -29,6 +29,10 @@ class EngineConfig:
     # was 160 ms with 96-token chunks (ingest 4.8 s), 112 ms with 48 (6.7 s), 95 ms with 24
     # (12.7 s); 48 balances the streams against the ingesting session's wait.
     prefill_tokens_while_decoding: int = 48
+    # ... and further capped at this many (new token x context token) pairs, since a
+    # chunk's attention grows with the context it follows (see Scheduler._chunk_cap).
+    prefill_work_while_decoding: int = 48 * 1024
+    min_prefill_chunk: int = 8
     max_skips: int = 8  # how often a waiting request may be overtaken by later ones
     max_rq_tokens: int = 2048  # a long generation requeues itself after this many tokens
     kv_format: str = "native"  # part of the page-hash salt

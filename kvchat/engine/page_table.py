@@ -7,7 +7,9 @@ finished sequence's pages stay indexed as the prompt cache. A new request walks
 its full pages: shared or cached on the device → restored from the host tier →
 computed. The ragged tail of a previous turn (a partial page) is reused by
 copying its matching tokens into a fresh page, so switching back to a
-conversation recomputes only what is new since its last turn.
+conversation recomputes only what is new since its last turn; when the cached
+partial page holds exactly the matched tokens, the sequence extends it in place
+instead, so its pages stay one ascending run.
 
 This module is pure bookkeeping (no torch): whenever K/V must physically move
 (to the host on eviction, back on a hit, a tail copy, a defragmenting move) the
@@ -29,6 +31,10 @@ from typing import Literal, Protocol
 from kvchat.engine.cache_counters import CacheCounters, PageTableStats, TierStats
 from kvchat.engine.host_tier import HostTier
 from kvchat.engine.page_hash import page_hash
+
+# Free pages left after each cached tree by `defragment` (when the pool has room): room for
+# a conversation's next turn (a user message and a reply) to extend its run in place.
+DEFRAG_GAP_PAGES = 2
 
 
 class PageTableCorrupt(AssertionError):
@@ -232,10 +238,12 @@ class PageTable:
         total_pages = n // ps + 1  # ceil((n + 1) / ps): the prompt plus one generated token
         need = total_pages - len(device_hits)
         pinned = set(device_hits)
-        if not self._can_allocate(need, pinned | _opt(walk.tail_src)):
+        takeover = walk.tail_src is not None and self._can_take_over(walk.tail_src, walk.tail_len)
+        if not self._can_allocate(need - int(takeover), pinned | _opt(walk.tail_src)):
             if walk.tail_src is None or not self._can_allocate(need, pinned):
                 return None
             walk.tail_src, walk.tail_len = None, 0  # make room by giving up the tail copy
+            takeover = False
 
         self._clock += 1
         clock = self._clock
@@ -243,7 +251,12 @@ class PageTable:
             self._ref(p, clock)
         host_hits = [h for h, p in walk.chain if p is None]
         protect_host = set(host_hits) | _opt(walk.tail_host)
-        fresh = self._allocate(need, _opt(walk.tail_src), protect_host)
+        after: int | None = device_hits[-1] if device_hits and not host_hits else None
+        if takeover:
+            assert walk.tail_src is not None
+            self._cached.discard(walk.tail_src)  # this sequence extends it in place
+            after = walk.tail_src
+        fresh = self._allocate(need - int(takeover), _opt(walk.tail_src), protect_host, after=after)
 
         pages: list[int] = []
         it = iter(fresh)
@@ -260,10 +273,15 @@ class PageTable:
         cached_device = len(device_hits) * ps
         reused_tail = 0
         if walk.tail_len:
-            p = next(it)
+            p = walk.tail_src if takeover else next(it)
+            assert p is not None
             page = self._pages[p]
             m = walk.tail_len
-            if walk.tail_src is not None:
+            if takeover:
+                page.last_used = clock  # already holds exactly the matched tokens
+                cached_device += m
+                reused_tail = m
+            elif walk.tail_src is not None:
                 src = self._pages[walk.tail_src]
                 self._mover.copy_tokens(walk.tail_src, p, m)
                 page.tokens = src.tokens[:m]
@@ -309,7 +327,7 @@ class PageTable:
         if not self._can_allocate(need, set()):
             return False
         self._clock += 1
-        for p in self._allocate(need, set(), set()):
+        for p in self._allocate(need, set(), set(), after=seq.pages[-1] if seq.pages else None):
             self._pages[p].refcount = 1
             self._pages[p].last_used = self._clock
             seq.pages.append(p)
@@ -429,22 +447,35 @@ class PageTable:
         return k
 
     def defragment(self, max_moves: int | None = None) -> int:
-        """When no sequence is live, pack cached chains contiguously from page 0, longest first.
+        """When no sequence is live, pack cached trees contiguously from page 0, longest first.
 
-        Contiguous chains make each sequence's pages ascending runs (friendlier to
-        attention kernels and to copies) and leave one free run at the top. Skipped
-        (returns 0) when fewer than 10% of pages would move. Returns pages moved.
+        Contiguous chains make each sequence's pages ascending runs, which attention
+        reads in place instead of gathering them (benchmarks/defrag.py). Each tree is
+        followed by up to `DEFRAG_GAP_PAGES` free pages when the pool has room, so a
+        conversation's next turn extends its run instead of landing elsewhere (see
+        `_allocate`). Skipped (returns 0) when fewer than 10% of pages would move.
+        Returns pages moved.
         """
         if self._seqs:
             return 0
-        layout = self._defrag_layout()
-        misplaced = sum(1 for t, page in enumerate(layout) if page.index != t)
+        trees = self._defrag_layout()
+        cached = sum(len(t) for t in trees)
+        spare_pages = self.num_pages - cached
+        gap = min(DEFRAG_GAP_PAGES, spare_pages // len(trees)) if trees else 0
+        targets: list[tuple[int, _Page]] = []
+        t = 0
+        for tree in trees:
+            for page in tree:
+                targets.append((t, page))
+                t += 1
+            t += gap
+        misplaced = sum(1 for t, page in targets if page.index != t)
         if misplaced == 0 or misplaced * 10 < self.num_pages:
             return 0
         limit = max_moves if max_moves is not None else 2 * self.num_pages
         free = set(self._free)
         moves = 0
-        for t, page in enumerate(layout):
+        for t, page in targets:
             if page.index == t:
                 continue
             if self._pages[t].tokens:  # occupied by a page that belongs elsewhere: park it
@@ -650,9 +681,29 @@ class PageTable:
         evictable = len(self._cached) - len(self._cached & keep)
         return n <= len(self._free) + evictable
 
-    def _allocate(self, n: int, keep: set[int], protect_host: set[bytes]) -> list[int]:
-        """Take `n` pages: free ones first, then victims (never `keep`). Caller checked it fits."""
-        out: list[int] = []
+    def _can_take_over(self, p: int, matched: int) -> bool:
+        """Whether an admitted sequence may extend cached partial page `p` in place.
+
+        Copying a matched tail into a fresh page keeps the cached one for others, but
+        puts the sequence's next tokens on a page away from its history. When the
+        cached page holds exactly the matched tokens (a conversation's previous turn
+        ended there) nothing is lost by extending it instead: its content stays a
+        prefix of the page, and the sequence's pages stay one ascending run.
+        """
+        page = self._pages[p]
+        return p in self._cached and page.hash is None and len(page.tokens) == matched
+
+    def _allocate(
+        self, n: int, keep: set[int], protect_host: set[bytes], *, after: int | None = None
+    ) -> list[int]:
+        """Take `n` pages: free ones first, then victims (never `keep`). Caller checked it fits.
+
+        Free pages come as one ascending run when there is one: right after `after` (the
+        sequence's current last page), else the lowest run of `n`. A sequence whose pages
+        are consecutive is a plain slice of the store, which attention reads in place;
+        scattered pages must be gathered (copied) every step (benchmarks/defrag.py).
+        """
+        out = self._take_free_run(n, after)
         order: list[int] | None = None
         pos = 0
         while len(out) < n:
@@ -666,6 +717,28 @@ class PageTable:
             self._evict(victim, protect_host)
             out.append(victim)
         return out
+
+    def _take_free_run(self, n: int, after: int | None) -> list[int]:
+        """Remove and return `n` consecutive free pages, or none if no such run exists."""
+        if n <= 0 or len(self._free) < n:
+            return []
+        free = set(self._free)
+        start: int | None = None
+        if after is not None and all(after + 1 + i in free for i in range(n)):
+            start = after + 1
+        else:
+            run_start, run_len, prev = 0, 0, -2
+            for p in sorted(free):
+                run_start, run_len = (run_start, run_len + 1) if p == prev + 1 else (p, 1)
+                prev = p
+                if run_len == n:
+                    start = run_start
+                    break
+        if start is None:
+            return []
+        self._free = [p for p in self._free if not start <= p < start + n]
+        heapq.heapify(self._free)
+        return list(range(start, start + n))
 
     def _eviction_order(self, keep: set[int]) -> list[int]:
         """Cached pages, first victim first (see the class docstring for why this order)."""
@@ -840,8 +913,8 @@ class PageTable:
                 self._clear(q)
                 heapq.heappush(self._free, q)
 
-    def _defrag_layout(self) -> list[_Page]:
-        """Cached pages in target order: trees longest chain first, each one depth first."""
+    def _defrag_layout(self) -> list[list[_Page]]:
+        """Cached pages in target order, per tree: trees longest chain first, each depth first."""
         kids: dict[int, list[int]] = {}
         roots: list[int] = []
         for p in self._cached:
@@ -866,15 +939,17 @@ class PageTable:
 
         for r in roots:
             measure(r)
-        order: list[_Page] = []
+        trees: list[list[_Page]] = []
         for r in sorted(roots, key=lambda r: (-height[r], r)):
+            order: list[_Page] = []
+            trees.append(order)
             stack = [r]
             while stack:
                 p = stack.pop()
                 order.append(self._pages[p])
                 # push the tallest child last so it is laid out right after its parent
                 stack.extend(sorted(kids.get(p, ()), key=lambda k: (height[k], -k)))
-        return order
+        return trees
 
     def _move(self, src: int, dst: int, free: set[int]) -> None:
         """Move a cached page's K/V and bookkeeping from `src` to the free page `dst`."""

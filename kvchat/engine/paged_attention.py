@@ -62,6 +62,7 @@ class PagedAttention:
         self.page_size = int(k_all.shape[2])
         self.num_kv_heads = int(k_all.shape[3])
         self.head_dim = int(k_all.shape[4])
+        self._masks: dict[int, torch.Tensor] = {}  # per sequence of a prefill: made by layer 0
         self._layers = [self._make_flat(i) for i in range(k_all.shape[0])]  # views, made once
         self.scale = self.head_dim**-0.5
         self._batch: ForwardBatch | None = None
@@ -90,6 +91,7 @@ class PagedAttention:
         self._batch = batch
         self._slots = torch.tensor(slots, dtype=torch.long, device=device)
         self._views = views
+        self._masks = {}
         self._decode_index = None
         self._decode_mask = None
         if batch.is_decode_only and len(views) > 1:
@@ -179,6 +181,11 @@ class PagedAttention:
     def _decode(self, q: torch.Tensor, k_flat: _FlatKV, v_flat: _FlatKV) -> torch.Tensor:
         """One query per sequence, all sequences in one SDPA call (padded, masked when B > 1).
 
+        Grouped-query heads are folded into query rows: the `Hq / Hkv` query heads that
+        share a kv head become that head's rows, so the kernel streams each K/V once
+        instead of once per query head (`enable_gqa` does the latter): 1.6x faster at 4k
+        context on the target CPU, equal at 512.
+
         Measured on the target CPU: SDPA over permuted views beats a hand-written grouped
         matmul-softmax-matmul in bf16 (~30 µs vs ~210 µs at 512 context), because bf16
         bmm on non-contiguous operands copies them first.
@@ -192,31 +199,51 @@ class PagedAttention:
             keys = self._gather(k_flat, self._decode_index)  # [B, Lmax, Hkv, D]
             values = self._gather(v_flat, self._decode_index)
             mask = self._decode_mask  # [B, 1, 1, Lmax], True where attended
+        group = Hq // self.num_kv_heads
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [B, Hq, 1, D]
+            q.view(B, self.num_kv_heads, group, D),  # a kv head's query heads as its rows
             keys.permute(0, 2, 1, 3),  # [B, Hkv, L, D]
             values.permute(0, 2, 1, 3),
             attn_mask=mask,
-            enable_gqa=True,
-        )  # [B, Hq, 1, D]
-        return out.view(B, Hq, D)
+        )  # [B, Hkv, group, D]
+        return out.reshape(B, Hq, D)
 
     def _prefill(self, q: torch.Tensor, k_flat: _FlatKV, v_flat: _FlatKV) -> torch.Tensor:
         """Per sequence: SDPA over its whole context, causal from its first new token on."""
         assert self._batch is not None
         out = torch.empty_like(q)
         start = 0
-        for n, view in zip(self._batch.query_lens, self._views, strict=True):
+        for i, (n, view) in enumerate(zip(self._batch.query_lens, self._views, strict=True)):
             qs = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             ks = self._context(k_flat, view).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             vs = self._context(v_flat, view).transpose(0, 1).unsqueeze(0)
             offset = view.length - n
             if offset == 0:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                out[start : start + n] = o[0].transpose(0, 1)
             else:
-                q_pos = torch.arange(offset, view.length, device=q.device)[:, None]
-                allowed = torch.arange(view.length, device=q.device)[None, :] <= q_pos  # [n, L]
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=allowed, enable_gqa=True)
-            out[start : start + n] = o[0].transpose(0, 1)
+                out[start : start + n] = self._attend_after_prefix(i, q[start : start + n], ks, vs)
             start += n
         return out
+
+    def _attend_after_prefix(
+        self, seq: int, q: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor
+    ) -> torch.Tensor:
+        """Causal attention for `n` new tokens `q [n, Hq, D]` that follow a cached prefix.
+
+        As in `_decode`, each kv head's query heads are folded into its rows (token-major,
+        so a token's mask row repeats `group` times): K/V stream once per kv head. The
+        mask is built by the first layer and reused by the others.
+        """
+        n, Hq, D = q.shape
+        Hkv = self.num_kv_heads
+        group = Hq // Hkv
+        total = ks.shape[2]
+        mask = self._masks.get(seq)
+        if mask is None and n > 1:  # a single new token (a decode in a mixed step) sees all
+            q_pos = torch.arange(total - n, total, device=q.device)[:, None]
+            allowed = torch.arange(total, device=q.device)[None, :] <= q_pos  # [n, L]
+            mask = self._masks[seq] = allowed.repeat_interleave(group, dim=0)  # [n * g, L]
+        rows = q.view(n, Hkv, group, D).permute(1, 0, 2, 3).reshape(1, Hkv, n * group, D)
+        o = F.scaled_dot_product_attention(rows, ks, vs, attn_mask=mask)  # [1, Hkv, n*g, D]
+        return o.view(Hkv, n, group, D).permute(1, 0, 2, 3).reshape(n, Hq, D)

@@ -74,14 +74,15 @@ class Scheduler:
                 plan.runs.append((seq, 1))
                 budget -= 1
         # Streams are running: a long prompt gets small chunks, so their latency stays bounded.
-        if plan.runs:
+        decoding = bool(plan.runs)
+        if decoding:
             budget = min(budget, self.config.prefill_tokens_while_decoding)
         # 2. prefills already under way continue in admission order
         for seq in self.running:
             if budget <= 0:
                 break
             if seq.to_compute > 1:
-                n = min(seq.to_compute, budget)
+                n = min(seq.to_compute, budget, self._chunk_cap(seq, decoding))
                 plan.runs.append((seq, n))
                 budget -= n
         # 3. admit new requests while budget and batch slots last
@@ -104,10 +105,23 @@ class Scheduler:
             seq.num_computed = reservation.to_compute_from
             seq.since_admission = 0
             plan.admitted.append((seq, reservation))
-            n = min(seq.to_compute, budget)
+            n = min(seq.to_compute, budget, self._chunk_cap(seq, decoding))
             plan.runs.append((seq, n))
             budget -= n
         return plan
+
+    def _chunk_cap(self, seq: Sequence, decoding: bool) -> int:
+        """The largest prefill chunk for `seq` this step.
+
+        Beside running streams, a chunk's attention costs its length times the context
+        it attends to, so at a long context the same chunk takes several times longer
+        than at the start of the prompt; the cap shrinks with the context (down to
+        `min_prefill_chunk`) to keep every mixed step, not just the early ones, short.
+        """
+        if not decoding:
+            return self.config.step_token_budget
+        work = self.config.prefill_work_while_decoding // max(1, seq.num_computed)
+        return max(self.config.min_prefill_chunk, work)
 
     def unfittable(self) -> Sequence | None:
         """A waiting request that can never fit: nothing runs and it still cannot be reserved."""

@@ -1,0 +1,69 @@
+"""The scheduler's step plans: decodes first, and prefill chunks sized to keep streams fast."""
+
+from __future__ import annotations
+
+from kvchat.engine.config import EngineConfig
+from kvchat.engine.page_hash import root_salt
+from kvchat.engine.page_table import PageTable
+from kvchat.engine.request import GenerationRequest
+from kvchat.engine.scheduler import Scheduler
+from kvchat.engine.sequence import Sequence
+from tests.test_page_table import FakeMover
+
+
+class _NoText:
+    """Stands in for the detokenizer: the scheduler never decodes text."""
+
+
+def make_sequence(request_id: int, prompt: list[int]) -> Sequence:
+    request = GenerationRequest(tuple(prompt), max_tokens=8)
+    return Sequence(request_id, request, lambda _e: None, _NoText(), frozenset())  # type: ignore[arg-type]
+
+
+def run_plan(scheduler: Scheduler) -> dict[int, int]:
+    """Schedule one step and play the engine's part: mark the planned tokens computed."""
+    plan = scheduler.schedule()
+    for seq, n in plan.runs:
+        seq.num_computed += n
+        scheduler.table.commit(seq.id, seq.tokens[seq.num_computed - n : seq.num_computed])
+        if seq.to_compute == 0:
+            seq.tokens.append(1)  # the step's sampled token: now a decode
+    return {seq.id: n for seq, n in plan.runs}
+
+
+def test_prefill_chunks_beside_streams_shrink_as_the_context_grows() -> None:
+    config = EngineConfig(page_size=16, step_token_budget=512)
+    table = PageTable(1024, 16, root_salt("m", "float32", "native"), None, FakeMover(1024, 0, 16))
+    scheduler = Scheduler(config, table)
+    stream = make_sequence(1, [5, 6, 7])
+    scheduler.add(stream)
+    assert run_plan(scheduler) == {1: 3}
+    long = make_sequence(2, list(range(100, 100 + 6000)))
+    scheduler.add(long)
+    chunks: list[int] = []
+    while long.to_compute > 1:
+        plan = run_plan(scheduler)
+        assert plan[1] == 1  # the stream decodes every step
+        chunks.append(plan.get(2, 0))
+    cap = config.prefill_tokens_while_decoding
+    assert chunks[0] == cap  # near the start of the prompt: the full chunk
+    # every chunk's attention work (new tokens x context) stays bounded (or at the floor)
+    done, work = 0, config.prefill_work_while_decoding
+    for n in chunks:
+        assert n <= cap
+        assert n == config.min_prefill_chunk or n * max(1, done) <= work
+        done += n
+    assert chunks[-2] < cap // 4  # near 6k tokens of context: far smaller chunks
+    table.validate()
+
+
+def test_without_streams_a_prompt_prefills_in_full_budget_chunks() -> None:
+    config = EngineConfig(page_size=16, step_token_budget=512)
+    table = PageTable(1024, 16, root_salt("m", "float32", "native"), None, FakeMover(1024, 0, 16))
+    scheduler = Scheduler(config, table)
+    long = make_sequence(2, list(range(100, 100 + 3000)))
+    scheduler.add(long)
+    chunks = []
+    while long.to_compute > 1:
+        chunks.append(run_plan(scheduler)[2])
+    assert chunks[:5] == [512] * 5
