@@ -4,8 +4,18 @@ Threads (harlequin's and toolong's rule): the engine and the service run on
 their own threads and never touch a widget. Service events arrive on the
 service's worker thread; reply text goes into a `StreamBuffer` and everything
 else is posted to the UI as a `ServiceEvent` message. The UI drains the visible
-session's text at 25 Hz (`FLUSH_HZ`, with a final flush when a reply ends) and
-refreshes the meters from `engine.stats()` snapshots at 4 Hz (`METERS_HZ`).
+session's text at 20 Hz (`FLUSH_HZ`, with a final flush when a reply ends) and
+refreshes the meters from `engine.stats()` snapshots at most 4 times a second
+(`METERS_HZ`), on the same timer, so that they share one screen update.
+
+Why the UI's cost per tick matters: the engine thread runs each decode step's
+Python (a few ms of it) under the same GIL as the UI thread, and on a small
+machine the UI thread also takes a core from the model's matmuls, so UI time is
+taken from generation. Nothing runs per token on the UI thread; hidden
+sessions' text is only buffered; widgets repaint only when what they show
+changed, without a screen layout unless their size changed (`repaint`). A
+screen update costs the UI thread a millisecond or more whatever it repaints,
+so `FLUSH_HZ` is the low end of what reads as smooth streaming (20-30 Hz).
 Anything that can wait on the engine's lock (residency, prefetch) runs in a
 thread worker, so a switch never waits for the engine.
 
@@ -72,7 +82,7 @@ from kvchat.tui.stream_buffer import StreamBuffer
 from kvchat.tui.themes import DEFAULT_THEME, load_themes
 from kvchat.tui.transcript import Transcript
 
-FLUSH_HZ = 25
+FLUSH_HZ = 20
 METERS_HZ = 4
 RESIDENCY_ALL_EVERY_S = 5.0
 NEW_TITLE = "New chat"
@@ -87,6 +97,7 @@ Screen.-narrow #sidebar { width: 24; }
 #main { width: 1fr; }
 #transcript { height: 1fr; border: round $panel-lighten-2; border-title-color: $primary;
               border-subtitle-color: $warning; padding: 0 1; }
+#composer-box { height: auto; }
 #composer { height: auto; min-height: 3; max-height: 12; border: round $primary; }
 #composer.-editing { border: round $warning; }
 #meters { width: 34; border: round $panel-lighten-2; border-title-color: $primary;
@@ -303,6 +314,9 @@ class KvchatApp(App[int]):
         self._transcript_lock = asyncio.Lock()
         self._residency_busy = False
         self._residency_all_at = 0.0
+        self._meters_at = 0.0
+        self._rows_due: set[str] = set()  # rows to refresh at the next tick
+        self._residency_due: dict[str, Residency] = {}  # residencies to show at the next tick
         self._themes_ready = False
         self.exit_code = 0
         self._load_themes()
@@ -325,7 +339,10 @@ class KvchatApp(App[int]):
             yield self.sidebar
             with Vertical(id="main"):
                 yield self.transcript
-                yield self.composer
+                # in a box of its own: a screen update inside the transcript then repaints
+                # the box, not the text area (which restyles itself on every repaint)
+                with Vertical(id="composer-box"):
+                    yield self.composer
             yield self.meters
         yield Footer()
 
@@ -437,8 +454,7 @@ class KvchatApp(App[int]):
                 "cut when kvchat last stopped; kept and marked interrupted.",
                 severity="warning",
             )
-        self.set_interval(1 / FLUSH_HZ, self._flush_replies, name="flush")
-        self.set_interval(1 / METERS_HZ, self._tick_meters, name="meters")
+        self.set_interval(1 / FLUSH_HZ, self._tick, name="tick")
         self._tick_meters()
         self.composer.focus()
 
@@ -481,9 +497,12 @@ class KvchatApp(App[int]):
             self.notify(f"{self._title(event.session_id)}: {event.message}", severity="error")
         if isinstance(event, SessionNotice) and event.session_id == self.current:
             self.notify(event.text)
-        self._refresh_row(event.session_id)
         if event.session_id != self.current:
+            # another session's row waits for the next tick: its repaint then shares the
+            # tick's screen update instead of costing one of its own
+            self._rows_due.add(event.session_id)
             return
+        self._refresh_row(event.session_id)
         if isinstance(event, ReplyStarted | ReplyFinished | SessionChanged | SessionRenamed):
             async with self._transcript_lock:
                 if isinstance(event, ReplyFinished):
@@ -528,6 +547,26 @@ class KvchatApp(App[int]):
 
     # --------------------------------------------------------------- timers
 
+    async def _tick(self) -> None:
+        """`FLUSH_HZ`: rows that changed, the meters when their turn came, then the text.
+
+        Everything a tick touches is repainted in one screen update; each update costs a
+        few ms of the UI thread whatever it repaints.
+        """
+        if self._rows_due:
+            due, self._rows_due = self._rows_due, set()
+            for session_id in due:
+                self._refresh_row(session_id)
+        if self._residency_due:
+            due_residency, self._residency_due = self._residency_due, {}
+            rows = self.sidebar.rows()
+            for session_id, residency in due_residency.items():
+                if session_id in rows:
+                    rows[session_id].set_residency(residency)
+        if time.monotonic() - self._meters_at >= 1 / METERS_HZ:
+            self._tick_meters()
+        await self._flush_replies()
+
     async def _flush_replies(self) -> None:
         async with self._transcript_lock:
             await self._flush_unlocked()
@@ -547,6 +586,7 @@ class KvchatApp(App[int]):
         service = self.service
         if service is None:
             return
+        self._meters_at = time.monotonic()
         for session_id, view in list(self.views.items()):
             if view.state != "idle" or session_id == self.current:
                 self._refresh_row(session_id)
@@ -582,10 +622,7 @@ class KvchatApp(App[int]):
 
     def on_residency_ready(self, message: ResidencyReady) -> None:
         self._residency_busy = False
-        rows = self.sidebar.rows()
-        for session_id, residency in message.residencies.items():
-            if session_id in rows:
-                rows[session_id].set_residency(residency)
+        self._residency_due.update(message.residencies)  # shown by the next tick
 
     # -------------------------------------------------------------- switching
 

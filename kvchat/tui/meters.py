@@ -3,7 +3,9 @@
 Why from snapshots at most 4 times a second: `stats()` is an immutable snapshot
 that is cheap to take, and counters only grow, so rates (evictions per second)
 come from the difference of two snapshots; the UI never asks the engine thread
-for anything that could wait on a step.
+for anything that could wait on a step. A field repaints only when its text
+changed, and lays the screen out only when its height did (`update_static`):
+the UI thread's time is taken from the engine's (one GIL).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from textual.widgets import Label, Sparkline, Static
 
 from kvchat.chat.session import SessionView
 from kvchat.engine.stats import EngineStats, TierPages
+from kvchat.tui.repaint import same_content, update_static
 
 BAR_WIDTH = 14
 SPARK_POINTS = 40
@@ -56,6 +59,7 @@ class Meters(Vertical):
         self.previous: EngineStats | None = None
         self.eviction_rates: deque[float] = deque([0.0] * SPARK_POINTS, maxlen=SPARK_POINTS)
         self.values: dict[str, str] = {}  # label -> the text shown (tests read it)
+        self._shown: dict[str, Content | str] = {}
 
     def compose(self) -> ComposeResult:
         self.fields = {
@@ -78,8 +82,11 @@ class Meters(Vertical):
         yield self.fields["cache"]
 
     def _set(self, name: str, content: Content | str) -> None:
+        if name in self._shown and same_content(self._shown[name], content):
+            return
+        self._shown[name] = content
         self.values[name] = content.plain if isinstance(content, Content) else content
-        self.fields[name].update(content)
+        update_static(self.fields[name], content)
 
     def update_meters(
         self,

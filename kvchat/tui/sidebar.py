@@ -5,6 +5,12 @@ they stream; rebuilding the list would flicker and lose the scroll position.
 Rows are rebuilt only when sessions appear or disappear. The order is by
 creation (newest first) so that alt+1..9 keep pointing at the same sessions
 while they stream.
+
+Why a row compares before it repaints: the app refreshes busy sessions' rows 4
+times a second, but what a row shows changes far less often (the context
+percentage every few dozen tokens, the state a few times a reply). A row
+repaints only when one of its `row_fields` changed, and lays the screen out only
+when its height did; UI-thread time is taken from the engine's (one GIL).
 """
 
 from __future__ import annotations
@@ -19,33 +25,56 @@ from textual.widgets import Static
 
 from kvchat.chat.engine_port import Residency
 from kvchat.chat.session import SessionView
+from kvchat.tui.repaint import update_static
 
 BAR_WIDTH = 16
 
 
 def residency_bar(residency: Residency | None, width: int = BAR_WIDTH) -> Content:
     """`width` cells: device (█), host only (▓), nowhere (░), proportional to tokens."""
-    # the engine may return its own type with these three fields (no `total`)
-    total = 0 if residency is None else residency.device + residency.host + residency.nowhere
-    if residency is None or total == 0:
+    cells = bar_cells(residency, width)
+    if cells is None:
         return Content.from_markup("[$text-muted]" + "·" * width)
-    device = round(width * residency.device / total)
-    host = min(width - device, round(width * residency.host / total))
-    nowhere = width - device - host
+    device, host, nowhere = cells
     return Content.from_markup(
         f"[$success]{'█' * device}[/][$secondary]{'▓' * host}[/][$text-muted]{'░' * nowhere}[/]"
     )
 
 
-def row_content(index: int, view: SessionView, residency: Residency | None) -> Content:
-    number = f"{index}" if index <= 9 else " "
-    unread = "[$accent]●[/] " if view.unread else ""
-    state = view.state + (f" +{view.queued_says}" if view.queued_says else "")
-    state_style = "$text-muted" if view.state == "idle" else "$warning"
+def bar_cells(residency: Residency | None, width: int = BAR_WIDTH) -> tuple[int, int, int] | None:
+    """(device, host, nowhere) cells of the residency bar; None when there is nothing to show."""
+    # the engine may return its own type with these three fields (no `total`)
+    total = 0 if residency is None else residency.device + residency.host + residency.nowhere
+    if residency is None or total == 0:
+        return None
+    device = round(width * residency.device / total)
+    host = min(width - device, round(width * residency.host / total))
+    return device, host, width - device - host
+
+
+def row_fields(index: int, view: SessionView, residency: Residency | None) -> tuple:
+    """Everything a row shows, as plain values: equal fields, equal row (nothing to repaint)."""
     fraction = view.context_fraction
-    context = "ctx —" if fraction is None else f"ctx {fraction:4.0%}"
-    title = Content(view.title[:40])
-    head = Content.from_markup(f"[$text-muted]{number}[/] {unread}").append(title)
+    return (
+        f"{index}" if index <= 9 else " ",
+        view.unread,
+        view.title[:40],
+        view.state + (f" +{view.queued_says}" if view.queued_says else ""),
+        view.state == "idle",
+        "ctx —" if fraction is None else f"ctx {fraction:4.0%}",
+        bar_cells(residency),
+    )
+
+
+def row_content(index: int, view: SessionView, residency: Residency | None) -> Content:
+    return _content_from_fields(row_fields(index, view, residency), residency)
+
+
+def _content_from_fields(fields: tuple, residency: Residency | None) -> Content:
+    number, unread, title, state, idle, context, _ = fields
+    unread_mark = "[$accent]●[/] " if unread else ""
+    state_style = "$text-muted" if idle else "$warning"
+    head = Content.from_markup(f"[$text-muted]{number}[/] {unread_mark}").append(Content(title))
     line2 = Content.from_markup(f"  [{state_style}]$state[/]", state=state)
     line3 = Content.assemble("  ", residency_bar(residency), f" {context}")
     return Content("\n").join([head, line2, line3])
@@ -65,6 +94,7 @@ class SessionRow(Static):
         self.view = view
         self.index = index
         self.residency: Residency | None = None
+        self._shown: tuple | None = None  # the row_fields on screen
         self._render_row()
 
     def set_view(self, view: SessionView, index: int | None = None) -> None:
@@ -81,7 +111,10 @@ class SessionRow(Static):
             self._render_row()
 
     def _render_row(self) -> None:
-        self.update(row_content(self.index, self.view, self.residency))
+        fields = row_fields(self.index, self.view, self.residency)
+        if fields != self._shown:
+            self._shown = fields
+            update_static(self, _content_from_fields(fields, self.residency))
 
     def on_click(self, event: events.Click) -> None:
         self.post_message(self.Selected(self.session_id))
@@ -97,20 +130,20 @@ class SessionList(VerticalScroll):
         self.border_title = "Sessions"
         self.current: str | None = None
         self.order: list[str] = []
+        self._rows: dict[str, SessionRow] = {}  # kept, not queried: rows update 4 times a second
 
     def rows(self) -> dict[str, SessionRow]:
-        return {row.session_id: row for row in self.query(SessionRow)}
+        return dict(self._rows)
 
     async def set_sessions(self, views: Sequence[SessionView]) -> None:
         """Rebuild when the set of sessions changed; else update the rows in place."""
         ordered = sorted(views, key=lambda v: v.created, reverse=True)
         ids = [v.id for v in ordered]
         if ids == self.order:
-            rows = self.rows()
             for i, view in enumerate(ordered, 1):
-                rows[view.id].set_view(view, i)
+                self._rows[view.id].set_view(view, i)
             return
-        old = self.rows()
+        old = self._rows
         self.order = ids
         with self.app.batch_update():
             await self.remove_children()
@@ -122,16 +155,17 @@ class SessionList(VerticalScroll):
                     row.set_view(view, i)
                 row.set_class(view.id == self.current, "-current")
                 new_rows.append(row)
+            self._rows = {row.session_id: row for row in new_rows}
             await self.mount_all(new_rows)
 
     def update_view(self, view: SessionView) -> None:
-        row = self.rows().get(view.id)
+        row = self._rows.get(view.id)
         if row is not None:
             row.set_view(view)
 
     def set_current(self, session_id: str | None) -> None:
         self.current = session_id
-        for row in self.query(SessionRow):
+        for row in self._rows.values():
             row.set_class(row.session_id == session_id, "-current")
             if row.session_id == session_id:
                 self.scroll_to_widget(row, animate=False)

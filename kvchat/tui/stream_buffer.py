@@ -3,7 +3,7 @@
 Why a buffer: a token is a few characters and eight sessions stream at once;
 repainting the transcript for each one would spend the UI's time on Markdown
 parsing and starve the keys. The service's worker thread only appends here (a
-lock, no widget); the UI drains the visible session's text 25 times a second and
+lock, no widget); the UI drains the visible session's text 20 times a second and
 discards hidden sessions' text (a switch renders the session from the service's
 snapshot anyway). Each chunk carries its character offset in the reply, so a
 transcript rendered from a snapshot that already holds some of the pending text

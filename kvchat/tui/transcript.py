@@ -4,8 +4,11 @@ Why only the visible session is rendered: hidden sessions keep generating, but
 their text never reaches a widget (toolong's rule: the visible thing gets the
 frames). A switch renders the chosen session from the service's snapshot, and
 only its last `MAX_RENDERED` messages, so a switch costs the same however long
-the conversation is. The live reply is fed through Textual's `MarkdownStream`,
-which coalesces fragments when Markdown parsing falls behind.
+the conversation is. The live reply is appended to a `StreamingMarkdown` once
+per UI tick (the app's timer already gathers the tick's tokens into one piece),
+which re-parses only the last block and updates it in place, repainting the
+one paragraph that grew: the UI thread shares the GIL with the engine, so every
+millisecond spent here per tick is one the engine does not get.
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from textual.containers import Vertical, VerticalScroll
-from textual.widgets import Label, Markdown
-from textual.widgets.markdown import MarkdownStream
+from textual.widgets import Label
 
 from kvchat.chat.session import MessageState, MessageView
+from kvchat.tui.markdown import StreamingMarkdown
 from kvchat.tui.stream_buffer import Chunk
 
 MAX_RENDERED = 40
@@ -49,17 +52,11 @@ class MessageBlock(Vertical):
         self.message_id = message.id
         self.shown = len(message.content)  # characters of the reply rendered so far
         self.header = Label(header_text(message), classes="message-header")
-        self.body = Markdown(message.content, classes="message-body")
-        self._stream: MarkdownStream | None = None
+        self.body = StreamingMarkdown(message.content, classes="message-body")
 
     def compose(self):
         yield self.header
         yield self.body
-
-    async def on_unmount(self) -> None:
-        if self._stream is not None:  # removed mid-reply (a switch): end its task
-            await self._stream.stop()
-            self._stream = None
 
     @property
     def streaming(self) -> bool:
@@ -71,17 +68,15 @@ class MessageBlock(Vertical):
             return False
         piece = chunk.text[self.shown - chunk.start :]
         if piece:
-            if self._stream is None:
-                self._stream = Markdown.get_stream(self.body)
-            await self._stream.write(piece)
+            # awaited here rather than through a MarkdownStream task: the caller runs once
+            # per tick with the tick's text, and a tick that overruns delays the next one
+            await self.body.write(piece)
             self.shown += len(piece)
         return True
 
     async def finish(self, message: MessageView) -> None:
-        """The reply ended: stop streaming, show the final text (stop strings trimmed)."""
-        if self._stream is not None:
-            await self._stream.stop()
-            self._stream = None
+        """The reply ended: show the final text (stop strings trimmed)."""
+        self.body.end_stream()
         if message.content != self.body.source:
             await self.body.update(message.content)
         self.shown = len(message.content)
@@ -102,11 +97,13 @@ class Transcript(VerticalScroll):
         self.session_id: str | None = None
 
     def blocks(self) -> list[MessageBlock]:
-        return list(self.query(MessageBlock))
+        return [child for child in self.children if isinstance(child, MessageBlock)]
 
     def block(self, message_id: str) -> MessageBlock | None:
-        for block in self.query(MessageBlock):
-            if block.message_id == message_id:
+        # newest first, over the children only: the streaming reply is nearly always the last,
+        # and a query would walk every Markdown block of every message each tick
+        for block in reversed(self.children):
+            if isinstance(block, MessageBlock) and block.message_id == message_id:
                 return block
         return None
 

@@ -1,0 +1,176 @@
+"""The TUI's cheap repaints: streamed Markdown equals a fresh parse, unchanged widgets stay put.
+
+Why these matter: the UI thread shares the GIL with the engine, so the transcript
+and sidebar must not lay the screen out (or rebuild widgets) when what they show
+has not changed; and the in-place Markdown updates must still show exactly what
+Textual's own parse of the whole text shows.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from textual.app import App, ComposeResult
+from textual.widget import Widget
+from textual.widgets import Markdown, Static
+
+from kvchat.chat.engine_port import Residency
+from kvchat.chat.session import SessionView
+from kvchat.engine.request import SamplingParams
+from kvchat.tui.markdown import RESERVE_LINES, StreamingMarkdown, StreamParagraph
+from kvchat.tui.repaint import update_static
+from kvchat.tui.sidebar import SessionRow
+
+DOCUMENTS = [
+    "Hello **world** and *more* text with `code`.\n\nSecond paragraph, a [link](http://x.y).",
+    "1. 1984: The 1984 World Series was a major event. The game was played.\n"
+    "2. Second item *emph*\n3. Third\n\nAfter the list.",
+    "- a\n- b\n  - nested one\n  - nested two\n- c with **bold**\n\n"
+    "> quote line one\n> quote line two\n\nend",
+    "# Title\n\nSome text\n\n```python\ndef f(x):\n    return x\n```\n\nfin",
+    "1.1.1.1.1.1.1.1.1.1.1.1.1.1.",
+    "8. eight\n9. nine\n10. ten\n11. eleven\n",
+    "Text\nmore text\n---\nafter *open emphasis never closed",
+]
+
+
+def _shape(widget: Widget, depth: int = 0) -> list[tuple]:
+    """What a Markdown document shows: block kinds (Textual's classes), texts, styles, bullets."""
+    out: list[tuple] = []
+    for child in widget.children:
+        kind = next(c.__name__ for c in type(child).__mro__ if c.__module__.startswith("textual"))
+        content = getattr(child, "_content", None)
+        spans = [(s.start, s.end, str(s.style)) for s in content.spans] if content else None
+        text = content.plain if content else None
+        out.append((depth, kind, text, spans, getattr(child, "symbol", None)))
+        out += _shape(child, depth + 1)
+    return out
+
+
+class _Host(App[None]):
+    def compose(self) -> ComposeResult:
+        yield Static("host")
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+async def test_streamed_markdown_shows_what_a_fresh_parse_shows(document):
+    rng = random.Random(document)
+    app = _Host()
+    async with app.run_test() as pilot:
+        streamed = StreamingMarkdown("")
+        await app.mount(streamed)
+        await pilot.pause()
+        i = 0
+        while i < len(document):
+            n = rng.randint(1, 7)
+            await streamed.write(document[i : i + n])
+            i += n
+            if rng.random() < 0.3:
+                await pilot.pause()  # a screen update now and then, as the app's timer gives
+        streamed.end_stream()
+        fresh = Markdown(document)
+        await app.mount(fresh)
+        await pilot.pause()
+        assert streamed.source == document
+        assert _shape(streamed) == _shape(fresh)
+        assert streamed.size == fresh.size  # no spare lines left behind
+
+
+async def test_the_live_paragraph_grows_in_place_into_spare_lines_given_back_at_the_end():
+    app = _Host()
+    async with app.run_test(size=(40, 20)) as pilot:
+        streamed = StreamingMarkdown("")
+        await app.mount(streamed)
+        await streamed.write("1. start")
+        await pilot.pause()
+        await streamed.write(" of")
+        await pilot.pause()
+        [paragraph] = streamed.query(StreamParagraph)
+        assert paragraph.size.height == RESERVE_LINES  # one line of text, spare lines below
+        layouts: list[bool] = []
+        refresh = paragraph.refresh
+
+        def spy(*regions, **kwargs):
+            layouts.append(bool(kwargs.get("layout")))
+            return refresh(*regions, **kwargs)
+
+        paragraph.refresh = spy  # type: ignore[method-assign]
+        for words in (" a", " line", " that wraps onto the next line"):
+            await streamed.write(words)
+            await pilot.pause()
+        assert list(streamed.query(StreamParagraph)) == [paragraph]  # the same widget
+        assert layouts and not any(layouts)  # the second line filled a spare one: repaints only
+        streamed.end_stream()
+        await pilot.pause()
+        assert paragraph.size.height == 2  # the text's own height again
+
+
+async def test_update_static_repaints_without_layout_when_the_height_holds():
+    app = _Host()
+    async with app.run_test(size=(30, 10)) as pilot:
+        widget = app.query_one(Static)
+        await pilot.pause()
+        calls: list[bool] = []
+        refresh = widget.refresh
+
+        def spy(*regions, **kwargs):
+            calls.append(bool(kwargs.get("layout")))
+            return refresh(*regions, **kwargs)
+
+        widget.refresh = spy  # type: ignore[method-assign]
+        update_static(widget, "same height")
+        assert calls == [False]
+        update_static(widget, "line one\nline two")
+        assert calls[-1] is True
+        await pilot.pause()
+        assert widget.size.height == 2
+
+
+def _view(**changes) -> SessionView:
+    values = dict(
+        id="s1",
+        title="chat",
+        state="decoding",
+        archived=False,
+        unread=False,
+        queued_says=0,
+        message_count=2,
+        context_tokens=100,
+        context_length=4096,
+        last_turn=None,
+        system_prompt=None,
+        sampling=SamplingParams(),
+        max_tokens=64,
+        model_fingerprint="m",
+        notice=None,
+        created=0.0,
+        updated=0.0,
+    )
+    values.update(changes)
+    return SessionView(**values)
+
+
+async def test_sidebar_row_repaints_only_when_what_it_shows_changes():
+    class RowApp(App[None]):
+        def compose(self) -> ComposeResult:
+            yield SessionRow(_view(), 1)
+
+    app = RowApp()
+    async with app.run_test(size=(40, 10)) as pilot:
+        row = app.query_one(SessionRow)
+        await pilot.pause()
+        updates: list[object] = []
+        update = row.update
+
+        def spy(content="", **kwargs):
+            updates.append(content)
+            return update(content, **kwargs)
+
+        row.update = spy  # type: ignore[method-assign]
+        row.set_view(_view(context_tokens=101))  # ctx 2% either way
+        row.set_residency(Residency(100, 0, 1))
+        row.set_residency(Residency(101, 0, 1))  # the same bar cells
+        assert len(updates) == 1  # the residency bar appeared; nothing else showed a change
+        row.set_view(_view(state="idle"))
+        assert len(updates) == 2
