@@ -4,12 +4,13 @@ The store is one K and one V tensor shaped [layers, pages, page_size, kv_heads,
 head_dim]; a sequence's token at position p lives in page `pages[p // S]`, slot
 `p % S`. `prepare()` turns a batch and its page lists into flat slot indices once
 per forward; every layer then writes its new K/V with one `index_copy_` and reads
-each sequence's context either as a plain slice (when its pages are contiguous, as
-defragmentation leaves them) or with one gather.
+each sequence's context either as a plain slice (when its pages are one run, as the
+page table's allocation and defragmentation try to leave them) or with one gather.
 
-Decode-only batches run one padded, batched matmul-softmax-matmul for all
-sequences (SDPA costs ~250 µs a call for a single query on CPU, NOTES.md); prefill
-chunks use SDPA per sequence with a causal mask offset by the cached prefix.
+Decode-only batches run one SDPA call for all sequences (padded and masked when
+there are several); prefill chunks run SDPA per sequence, causal from the first new
+token on. Both fold grouped-query heads into query rows, so K/V stream once per kv
+head rather than once per query head.
 """
 
 from __future__ import annotations
