@@ -53,6 +53,19 @@ class _Host(App[None]):
         yield Static("host")
 
 
+def spy_on_refresh(widget) -> list[bool]:
+    """Record, per `widget.refresh` call, whether it asked for a layout (and still refresh)."""
+    layouts: list[bool] = []
+    refresh = widget.refresh
+
+    def spy(*regions, **kwargs):
+        layouts.append(bool(kwargs.get("layout")))
+        return refresh(*regions, **kwargs)
+
+    widget.refresh = spy
+    return layouts
+
+
 @pytest.mark.parametrize("document", DOCUMENTS)
 async def test_streamed_markdown_shows_what_a_fresh_parse_shows(document):
     rng = random.Random(document)
@@ -88,14 +101,7 @@ async def test_the_live_paragraph_grows_in_place_into_spare_lines_given_back_at_
         await pilot.pause()
         [paragraph] = streamed.query(StreamParagraph)
         assert paragraph.size.height == RESERVE_LINES  # one line of text, spare lines below
-        layouts: list[bool] = []
-        refresh = paragraph.refresh
-
-        def spy(*regions, **kwargs):
-            layouts.append(bool(kwargs.get("layout")))
-            return refresh(*regions, **kwargs)
-
-        paragraph.refresh = spy  # type: ignore[method-assign]
+        layouts = spy_on_refresh(paragraph)
         for words in (" a", " line", " that wraps onto the next line"):
             await streamed.write(words)
             await pilot.pause()
@@ -111,14 +117,7 @@ async def test_update_static_repaints_without_layout_when_the_height_holds():
     async with app.run_test(size=(30, 10)) as pilot:
         widget = app.query_one(Static)
         await pilot.pause()
-        calls: list[bool] = []
-        refresh = widget.refresh
-
-        def spy(*regions, **kwargs):
-            calls.append(bool(kwargs.get("layout")))
-            return refresh(*regions, **kwargs)
-
-        widget.refresh = spy  # type: ignore[method-assign]
+        calls = spy_on_refresh(widget)
         update_static(widget, "same height")
         assert calls == [False]
         update_static(widget, "line one\nline two")
