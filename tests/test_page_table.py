@@ -390,24 +390,25 @@ def test_defragment_leaves_no_gaps_when_the_pool_is_nearly_full() -> None:
     assert table.defragment() > 0
     table.validate()
     firsts = [table.page_info(p).tokens[:1] for p in range(6)]
-    assert firsts == [(100,), (104,), (108,), (200,), (204,), (208,)]
+    runs = [[(100,), (104,), (108,)], [(200,), (204,), (208,)]]
+    assert firsts in (runs[0] + runs[1], runs[1] + runs[0])  # two runs, no gap (equal height)
 
 
 def test_a_new_turn_extends_the_cached_partial_page_in_place() -> None:
     """The previous turn's partial page is the new turn's tail page (no copy), and the
     new pages follow it, so the whole context stays one ascending run of pages."""
     table, mover = make(16)
-    turn1 = list(range(10))  # pages 0, 1 full; page 2 holds 2 tokens
+    turn1 = list(range(10))  # two full pages and one holding 2 tokens
     first = run_turn(table, mover, 1, turn1)
-    assert first.pages == (0, 1, 2)
-    run_turn(table, mover, 2, [50, 51, 52, 53, 54])  # another conversation: pages 3, 4
+    assert first.pages == (6, 7, 8)  # mid-way into the free pool: room to grow after it
+    other = run_turn(table, mover, 2, [50, 51, 52, 53, 54])  # another conversation
+    assert other.pages == (11, 12)  # mid-way into the largest free run left, 9-15
     turn2 = [*turn1, *range(20, 27)]  # 17 tokens + 1 generated: 5 pages
     before = mover.count("copy")
     res = run_turn(table, mover, 3, turn2)
     assert mover.count("copy") == before  # extended in place, not copied
     assert res.reused_tail == 2 and res.to_compute_from == len(turn1)
-    assert res.pages[:3] == (0, 1, 2)
-    assert res.pages[3:] == (5, 6)  # one run after the other conversation's pages
+    assert res.pages == (6, 7, 8, 9, 10)  # one run: it grew into the room left after it
     counters_add_up(table)
 
 

@@ -699,8 +699,8 @@ class PageTable:
         """Take `n` pages: free ones first, then victims (never `keep`). Caller checked it fits.
 
         Free pages come as one ascending run when there is one: right after `after` (the
-        sequence's current last page), else the lowest run of `n`. A sequence whose pages
-        are consecutive is a plain slice of the store, which attention reads in place;
+        sequence's current last page), else mid-way into the largest free run. A sequence
+        whose pages are consecutive is a plain slice of the store, which attention reads in place;
         scattered pages must be gathered (copied) every step (benchmarks/defrag.py).
         """
         out = self._take_free_run(n, after)
@@ -719,7 +719,15 @@ class PageTable:
         return out
 
     def _take_free_run(self, n: int, after: int | None) -> list[int]:
-        """Remove and return `n` consecutive free pages, or none if no such run exists."""
+        """Remove and return `n` consecutive free pages, or none if no such run exists.
+
+        Right after `after` when those pages are free (the sequence stays one run).
+        Otherwise in the middle of the largest free run: a sequence grows forward, so
+        the free pages left after it let it keep growing in place, and the pages left
+        before it serve the next sequence the same way. Packing sequences at the lowest
+        run instead makes every one that grows past its page jump elsewhere and be
+        gathered (copied) at every decode step from then on.
+        """
         if n <= 0 or len(self._free) < n:
             return []
         free = set(self._free)
@@ -727,13 +735,15 @@ class PageTable:
         if after is not None and all(after + 1 + i in free for i in range(n)):
             start = after + 1
         else:
+            best_start, best_len = 0, 0
             run_start, run_len, prev = 0, 0, -2
             for p in sorted(free):
                 run_start, run_len = (run_start, run_len + 1) if p == prev + 1 else (p, 1)
                 prev = p
-                if run_len == n:
-                    start = run_start
-                    break
+                if run_len > best_len:
+                    best_start, best_len = run_start, run_len
+            if best_len >= n:
+                start = best_start + (best_len - n) // 2
         if start is None:
             return []
         self._free = [p for p in self._free if not start <= p < start + n]

@@ -3,10 +3,17 @@
 The forward pass calls `linear(x)` and never looks inside. `DenseLinear` keeps the
 weight in the compute dtype; quantized kinds (see `quantized_linear.py`) keep
 4- or 8-bit codes and pick the fastest kernel for the batch at hand.
+
+A bf16 weight on the CPU is multiplied fastest in oneDNN's blocked layout, packed
+once when the model is built (`prepack`): `F.linear` re-lays the weight out at every
+call. Measured on the target CPU over all the default model's matrices: 24.6 ms
+dense vs 17.3 ms packed at 16 rows (decode), 29.5 vs 20.2 ms at 48, with identical
+results; no gain for float32, so only bf16 is packed.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -25,16 +32,68 @@ class Linear(Protocol):
         """Bytes this weight streams from memory per forward (the decode's cost)."""
         ...
 
+    def prepack(self) -> None:
+        """Lay the weight out for the fastest kernel, once, after loading (and caching)."""
+        ...
+
+
+PACK_ROWS_HINT = 16  # oneDNN tunes the layout for this many rows; 16 and 128 measured alike
+
+
+@functools.cache
+def onednn_bf16_packing() -> bool:
+    """Whether torch's oneDNN packs and multiplies bf16 weights here, checked on a probe."""
+    ops = torch.ops.mkldnn
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")):
+        return False
+    try:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(48, 64, generator=g).to(torch.bfloat16)
+        x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
+        got = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return False
+    want = F.linear(x.float(), w.float())
+    return bool(torch.allclose(got.float(), want, atol=0.05, rtol=0.02))
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [out, in] in oneDNN's blocked layout, or None where packing does not apply."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not onednn_bf16_packing():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] times a `pack_weight` result (+ bias): [T, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
 
 class DenseLinear:
-    __slots__ = ("bias", "in_features", "out_features", "weight")
+    __slots__ = ("_nbytes", "bias", "in_features", "out_features", "packed", "weight")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        self.weight = weight  # [out, in]
+        self.weight: torch.Tensor | None = weight  # [out, in]; None once packed
         self.bias = bias
         self.out_features, self.in_features = weight.shape
+        self.packed: torch.Tensor | None = None
+        self._nbytes = weight.numel() * weight.element_size()
+
+    def prepack(self) -> None:
+        """Replace the weight by its packed form where that applies (memory stays the same:
+        a tied LM head's plain tensor is still held by the embeddings, nothing else)."""
+        if self.packed is None and self.weight is not None:
+            self.packed = pack_weight(self.weight)
+            if self.packed is not None:
+                self.weight = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        assert self.weight is not None
         if x.shape[0] == 1 and x.device.type == "cpu":
             # A single row (decode at batch 1): `mv` streams a bf16 weight ~1.4x faster
             # than `F.linear`'s GEMM path on the target CPU (15.5 vs 11 GB/s measured).
@@ -43,7 +102,7 @@ class DenseLinear:
         return F.linear(x, self.weight, self.bias)
 
     def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
+        return self._nbytes
 
     @classmethod
     def fused(

@@ -103,8 +103,14 @@ class Transformer:
             Layer(config, _strip_prefix(weights, f"model.layers.{i}."))
             for i in range(config.num_layers)
         ]
+        for linear in self._linears():
+            linear.prepack()  # after the loader cached any quantized layers (see `Linear`)
         self.max_positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryTable(config, self.max_positions, self.dtype, self.device)
+
+    def _linears(self) -> list[Linear]:
+        layers = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers]
+        return [self.lm_head, *(linear for group in layers for linear in group)]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attention: Attention) -> torch.Tensor:
