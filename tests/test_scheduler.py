@@ -8,6 +8,7 @@ from kvchat.engine.page_table import PageTable
 from kvchat.engine.request import GenerationRequest
 from kvchat.engine.scheduler import Scheduler
 from kvchat.engine.sequence import Sequence
+from kvchat.engine.step_pacer import MAX_SCALE, MIN_SCALE, StepKind, StepPacer
 from tests.test_page_table import FakeMover
 
 
@@ -67,3 +68,56 @@ def test_without_streams_a_prompt_prefills_in_full_budget_chunks() -> None:
     while long.to_compute > 1:
         chunks.append(run_plan(scheduler)[2])
     assert chunks[:5] == [512] * 5
+
+
+def test_the_pacer_scales_chunks_and_steps_report_their_kind() -> None:
+    config = EngineConfig(page_size=16, step_token_budget=512)
+    table = PageTable(1024, 16, root_salt("m", "float32", "native"), None, FakeMover(1024, 0, 16))
+    scheduler = Scheduler(config, table)
+    stream = make_sequence(1, [5, 6, 7])
+    scheduler.add(stream)
+    run_plan(scheduler)
+    assert scheduler.schedule().kind is StepKind.DECODE
+    long = make_sequence(2, list(range(100, 100 + 2000)))
+    scheduler.add(long)
+    plan = scheduler.schedule()
+    assert plan.kind is StepKind.MIXED
+    assert dict((s.id, n) for s, n in plan.runs)[2] == config.prefill_tokens_while_decoding
+    scheduler.pacer.scale = 0.25  # mixed steps took too long: a quarter of the allowance
+    run_plan(scheduler)
+    assert run_plan(scheduler)[2] == config.prefill_tokens_while_decoding // 4
+    scheduler.pacer.scale = 1 / 16  # never below the floor: the prompt always moves
+    assert run_plan(scheduler)[2] == config.min_prefill_chunk
+
+
+def _paced_mixed_step_seconds(slowdown: float, decode_s: float, per_scale_s: float) -> float:
+    """Drive a pacer against a step-cost model: decode part plus a chunk cost ~ scale."""
+    pacer = StepPacer(slowdown)
+    mixed = 0.0
+    for _ in range(60):
+        pacer.observe(StepKind.DECODE, decode_s)
+        mixed = decode_s + per_scale_s * pacer.scale
+        pacer.observe(StepKind.MIXED, mixed)
+    return mixed
+
+
+def test_the_pacer_holds_mixed_steps_near_the_target_slowdown() -> None:
+    for per_scale in (0.02, 0.1, 0.4):  # a fair chunk, a costly one, a very costly one
+        mixed = _paced_mixed_step_seconds(2.5, 0.020, per_scale)
+        assert abs(mixed - 0.050) < 0.003, per_scale
+    # a chunk so cheap that even the largest allowance stays under the target
+    assert _paced_mixed_step_seconds(2.5, 0.020, 0.001) < 0.050
+
+
+def test_the_pacer_ignores_prefill_only_steps_and_waits_for_a_decode_step() -> None:
+    pacer = StepPacer(2.5)
+    pacer.observe(StepKind.MIXED, 1.0)  # no decode-only step seen yet: nothing to compare
+    pacer.observe(StepKind.PREFILL, 5.0)
+    assert pacer.scale == 1.0 and pacer.decode_step_s is None
+    pacer.observe(StepKind.DECODE, 0.02)
+    for _ in range(100):
+        pacer.observe(StepKind.MIXED, 10.0)
+    assert pacer.scale == MIN_SCALE
+    for _ in range(100):
+        pacer.observe(StepKind.MIXED, 0.001)
+    assert pacer.scale == MAX_SCALE

@@ -240,6 +240,7 @@ class Engine:
             for seq in plan.preempted:
                 seq.state = RequestState.PREEMPTED
             batch, page_lists = self._build_batch(plan)
+        started = time.perf_counter()
         try:
             self.attention.prepare(batch, page_lists)
             logits = self.transformer.forward(batch, self.attention)
@@ -251,6 +252,7 @@ class Engine:
             return True
         with self._lock:
             self._after_forward(plan, logits)
+            self.scheduler.pacer.observe(plan.kind, time.perf_counter() - started)
             self._publish_stats()
         return True
 

@@ -18,6 +18,7 @@ from kvchat.engine.config import EngineConfig
 from kvchat.engine.page_table import PageTable, Reservation
 from kvchat.engine.request import RequestState
 from kvchat.engine.sequence import Sequence
+from kvchat.engine.step_pacer import StepKind, StepPacer
 
 
 @dataclass
@@ -25,10 +26,17 @@ class StepPlan:
     runs: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to feed)
     admitted: list[tuple[Sequence, Reservation]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    decodes: int = 0  # runs that are one decode token each
 
     @property
     def empty(self) -> bool:
         return not self.runs
+
+    @property
+    def kind(self) -> StepKind:
+        if self.decodes == len(self.runs):
+            return StepKind.DECODE
+        return StepKind.MIXED if self.decodes else StepKind.PREFILL
 
 
 class Scheduler:
@@ -38,6 +46,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is last
         self.preemptions = 0
+        self.pacer = StepPacer(config.mixed_step_slowdown)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -73,10 +82,12 @@ class Scheduler:
             if seq in self.running:
                 plan.runs.append((seq, 1))
                 budget -= 1
+        plan.decodes = len(plan.runs)
         # Streams are running: a long prompt gets small chunks, so their latency stays bounded.
         decoding = bool(plan.runs)
         if decoding:
-            budget = min(budget, self.config.prefill_tokens_while_decoding)
+            paced = int(self.config.prefill_tokens_while_decoding * self.pacer.scale)
+            budget = min(budget, max(self.config.min_prefill_chunk, paced))
         # 2. prefills already under way continue in admission order
         for seq in self.running:
             if budget <= 0:
@@ -117,10 +128,12 @@ class Scheduler:
         it attends to, so at a long context the same chunk takes several times longer
         than at the start of the prompt; the cap shrinks with the context (down to
         `min_prefill_chunk`) to keep every mixed step, not just the early ones, short.
+        The pacer scales it to what this machine does in the time allowed.
         """
         if not decoding:
             return self.config.step_token_budget
-        work = self.config.prefill_work_while_decoding // max(1, seq.num_computed)
+        allowed = self.config.prefill_work_while_decoding * self.pacer.scale
+        work = int(allowed) // max(1, seq.num_computed)
         return max(self.config.min_prefill_chunk, work)
 
     def unfittable(self) -> Sequence | None:
