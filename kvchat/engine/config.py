@@ -35,11 +35,12 @@ class EngineConfig:
     min_prefill_chunk: int = 8
     # Both caps above are then scaled, step by step, so that a step carrying a prefill chunk
     # beside streams takes about this many times a decode-only step (engine/step_pacer.py).
-    # Measured on the 2-core target (W3, 4k-token ingest beside 3 streams, two runs each):
-    # 2.5 gave the streams a p99 of 123-140 ms and the ingest 39 s; 3.0 gave 124-131 ms and
-    # 34 s: at 3-4k tokens of context the chunk sits at `min_prefill_chunk` either way,
-    # whose attention over the context is most of a mixed step's cost.
-    mixed_step_slowdown: float = 3.0
+    # Measured on the 2-core target (W3: 4k-token ingest beside 3 streams; streams' p50/p99
+    # inter-token latency during the ingest, ingest time): unpaced 95-103/116-125 ms, 17-18 s;
+    # 3.0: 78-84/117-118 ms, 29.5 s (at 3-4k tokens of context the chunk sits at
+    # `min_prefill_chunk`, whose attention over the context is most of a mixed step);
+    # 4.0: 95/106 ms, 14.6 s (larger chunks early, when they are cheap).
+    mixed_step_slowdown: float = 4.0
     max_skips: int = 8  # how often a waiting request may be overtaken by later ones
     max_rq_tokens: int = 2048  # a long generation requeues itself after this many tokens
     kv_format: str = "native"  # part of the page-hash salt
