@@ -32,10 +32,15 @@ def run_plan(scheduler: Scheduler) -> dict[int, int]:
     return {seq.id: n for seq, n in plan.runs}
 
 
-def test_prefill_chunks_beside_streams_shrink_as_the_context_grows() -> None:
+def make_scheduler() -> Scheduler:
     config = EngineConfig(page_size=16, step_token_budget=512)
     table = PageTable(1024, 16, root_salt("m", "float32", "native"), None, FakeMover(1024, 0, 16))
-    scheduler = Scheduler(config, table)
+    return Scheduler(config, table)
+
+
+def test_prefill_chunks_beside_streams_shrink_as_the_context_grows() -> None:
+    scheduler = make_scheduler()
+    config, table = scheduler.config, scheduler.table
     stream = make_sequence(1, [5, 6, 7])
     scheduler.add(stream)
     assert run_plan(scheduler) == {1: 3}
@@ -59,9 +64,7 @@ def test_prefill_chunks_beside_streams_shrink_as_the_context_grows() -> None:
 
 
 def test_without_streams_a_prompt_prefills_in_full_budget_chunks() -> None:
-    config = EngineConfig(page_size=16, step_token_budget=512)
-    table = PageTable(1024, 16, root_salt("m", "float32", "native"), None, FakeMover(1024, 0, 16))
-    scheduler = Scheduler(config, table)
+    scheduler = make_scheduler()
     long = make_sequence(2, list(range(100, 100 + 3000)))
     scheduler.add(long)
     chunks = []
@@ -71,9 +74,8 @@ def test_without_streams_a_prompt_prefills_in_full_budget_chunks() -> None:
 
 
 def test_the_pacer_scales_chunks_and_steps_report_their_kind() -> None:
-    config = EngineConfig(page_size=16, step_token_budget=512)
-    table = PageTable(1024, 16, root_salt("m", "float32", "native"), None, FakeMover(1024, 0, 16))
-    scheduler = Scheduler(config, table)
+    scheduler = make_scheduler()
+    config = scheduler.config
     stream = make_sequence(1, [5, 6, 7])
     scheduler.add(stream)
     run_plan(scheduler)
