@@ -10,8 +10,8 @@ page table's allocation and defragmentation try to leave them) or with one gathe
 Decode-only batches run one SDPA call for all sequences (padded and masked when
 there are several; a single sequence with a long context is sliced into a batch of
 parts merged by log-sum-exp, so both cores share the work); prefill chunks run SDPA
-per sequence, causal from the first new token on. Both fold grouped-query heads into query rows, so K/V stream once per kv
-head rather than once per query head.
+per sequence, causal from the first new token on. Both fold grouped-query heads into
+query rows, so K/V stream once per kv head rather than once per query head.
 """
 
 from __future__ import annotations
