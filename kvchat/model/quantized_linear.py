@@ -58,6 +58,11 @@ class _WeightOnlyLinear:
     def _set_shape(self) -> None:
         raise NotImplementedError
 
+    def _set_extras(self, bias: torch.Tensor | None, dense: torch.Tensor | None) -> None:
+        self.bias = bias
+        self.dense = dense
+        self.dense_packed: torch.Tensor | None = None  # set by `prepack`
+
     def prepack(self) -> None:
         """Pack the dense copy for oneDNN where that applies (see `linear.py`); it then
         replaces the plain copy, so `state()` is for before this (the loader caches first)."""
@@ -92,9 +97,7 @@ class _WeightOnlyLinear:
         self = cls.__new__(cls)
         for name in cls._TENSORS:
             setattr(self, name, state[name])
-        self.bias = state.get("bias")
-        self.dense = state.get("dense")
-        self.dense_packed = None
+        self._set_extras(state.get("bias"), state.get("dense"))
         self._set_shape()
         return self
 
@@ -123,9 +126,7 @@ class Int4Linear(_WeightOnlyLinear):
         self.scale_zeros = (
             torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
         )  # [K / 32, N, 2]
-        self.bias = bias
-        self.dense = dense
-        self.dense_packed: torch.Tensor | None = None
+        self._set_extras(bias, dense)
 
     def _set_shape(self) -> None:
         self.out_features = self.scale_zeros.shape[1]
@@ -160,9 +161,7 @@ class Int8Linear(_WeightOnlyLinear):
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0  # [N]
         self.q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
         self.scales = scales.to(dtype)
-        self.bias = bias
-        self.dense = dense
-        self.dense_packed: torch.Tensor | None = None
+        self._set_extras(bias, dense)
 
     def _set_shape(self) -> None:
         self.out_features, self.in_features = self.q.shape
