@@ -93,6 +93,12 @@ def start_engine(options: RuntimeOptions, progress: Callable[[str], None]):
             progress=progress,
         )
 
+    import torch
+
+    from kvchat.engine import native_attention
+
+    if options.device == "cpu" or (options.device is None and not torch.cuda.is_available()):
+        native_attention.request()  # compiles (first run only) while the model loads
     engine = Engine.launch(load, engine_config(options))  # all torch work on one thread
     return engine.model, engine
 

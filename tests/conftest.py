@@ -27,6 +27,24 @@ def kvchat_home(tmp_path_factory, monkeypatch) -> Path:
     return home
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_attention_kernel() -> bool:
+    """Build (or load) the attention kernel once, before any test, so every engine in the
+    run uses the same attention; the build is cached in the shared test cache."""
+    from kvchat.engine import native_attention
+
+    old = os.environ.get("KVCHAT_HOME")
+    os.environ["KVCHAT_HOME"] = str(TEST_CACHE.parent / "kvchat-test-native")
+    try:
+        native_attention.request(wait=True)
+    finally:
+        if old is None:
+            os.environ.pop("KVCHAT_HOME", None)
+        else:
+            os.environ["KVCHAT_HOME"] = old
+    return native_attention.loaded()
+
+
 @pytest.fixture(scope="session")
 def default_gguf_path() -> Path:
     """The real default model's GGUF, fetched once into the shared test cache."""

@@ -19,6 +19,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from kvchat.engine import native_attention
 from kvchat.engine.config import EngineConfig, default_cache_bytes
 from kvchat.engine.events import (
     CachedTokens,
@@ -84,6 +85,9 @@ class Engine:
             KVPageMover(self.store, self.host_store),
         )
         self.attention = PagedAttention.for_store(self.store)
+        self.attention.native_enabled = self.config.native_attention
+        if self.config.native_attention and device.type == "cpu":
+            native_attention.request()  # in the background: SDPA serves until it is loaded
         self.scheduler = Scheduler(self.config, self.table)
         self.max_context = min(mc.max_position_embeddings, self.transformer.max_positions)
         self.stop_ids = frozenset(self.tokenizer.stop_token_ids)

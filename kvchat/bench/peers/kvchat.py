@@ -30,6 +30,7 @@ from kvchat.bench.peers.base import BatchResult, SpeedResult, TurnResult
 from kvchat.chat.events import ReplyDelta, ReplyFinished, SessionFailed
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
+from kvchat.engine import native_attention
 from kvchat.engine.config import EngineConfig
 from kvchat.engine.engine import Engine
 from kvchat.engine.events import EngineEvent, RequestFinished, TokenGenerated
@@ -177,10 +178,14 @@ class KvchatPeer:
         self.bytes_per_token = kv_bytes_per_token(
             c.num_layers, c.num_kv_heads, c.head_dim, model.transformer.dtype, kv_format
         )
+        if model.transformer.device.type == "cpu":
+            native_attention.request(wait=True)  # measured with the kernel users get
+        kernel = native_attention.status()
+        attention = "kvchat's attention kernel" if kernel.loaded else "torch SDPA attention"
         self.description = (
             f"kvchat {dtype_name(model.transformer.dtype)}, {weights} weights, paged "
-            f"prefix-hashed KV cache ({page_size}-token pages, {kv_format} KV), sessions "
-            "through the session layer"
+            f"prefix-hashed KV cache ({page_size}-token pages, {kv_format} KV), {attention}, "
+            "sessions through the session layer"
         )
 
     # ---- sizing ------------------------------------------------------------------------

@@ -1,0 +1,423 @@
+// kvchat's CPU attention over paged K/V: one call per layer for a whole batch.
+//
+// Why a kernel of our own: torch's CPU flash attention gives each (batch, head)
+// pair to one thread and needs each sequence's K/V as one strided tensor, so a
+// paged context is gathered (copied) first and a decode over a long context runs
+// on one core per kv head. Here the unit of work is (sequence, kv head, row block,
+// context split): K/V are read in place through the page list, a long decode is
+// spread over every core, and decodes and prefill chunks of one step go in one call.
+//
+// Rows: a sequence's new tokens times the query heads that share a kv head, token
+// major (row = token * group + head in group), so each K/V element loaded serves
+// every query head of its group. Each work item keeps an online softmax over its
+// token range and writes an unnormalized partial (acc, max, sum); a second pass
+// merges the splits of each row in a fixed order. The splits depend only on the
+// sequence's own lengths, never on what else is in the batch, so a sequence's
+// result is the same whatever it is batched with.
+//
+// The loops are written for the compiler to vectorize (-O3 -march=native
+// -ffast-math; no infinities are ever produced: masked scores are excluded by
+// bounds, not by -inf). Compiled on first use by kvchat/engine/native_attention.py.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kSplitTokens = 256;  // context tokens per work item (a power of two)
+constexpr int64_t kRowBlock = 64;      // rows per work item
+constexpr int64_t kTile = 32;          // context tokens per inner tile
+constexpr int64_t kFewRows = 8;        // up to this many rows: dot products, no K transpose
+constexpr float kNoScore = -1e30f;
+
+// ---- 16 floats at a time: AVX-512 where the compiler targets it, plain loops elsewhere.
+#if defined(__AVX512F__)
+using V16 = __m512;
+inline V16 vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, V16 x) { _mm512_storeu_ps(p, x); }
+inline V16 vset1(float x) { return _mm512_set1_ps(x); }
+inline V16 vfma(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }
+inline V16 vmul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
+inline V16 vsub(V16 a, V16 b) { return _mm512_sub_ps(a, b); }
+inline V16 vmax(V16 a, V16 b) { return _mm512_max_ps(a, b); }
+inline float vsum(V16 x) { return _mm512_reduce_add_ps(x); }
+inline float vhmax(V16 x) { return _mm512_reduce_max_ps(x); }
+inline V16 vexp(V16 x) {  // e^x for x <= 0, relative error ~2e-7
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const V16 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const V16 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const V16 f = _mm512_sub_ps(t, n);
+  V16 p = _mm512_set1_ps(1.54035304e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.33335581e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.61812911e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55041087e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226507e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+inline V16 vconvert(const float* p) { return _mm512_loadu_ps(p); }
+inline V16 vconvert(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline V16 vconvert(const int8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+#else
+struct V16 {
+  float x[16];
+};
+inline V16 vload(const float* p) { V16 r; for (int i = 0; i < 16; ++i) r.x[i] = p[i]; return r; }
+inline void vstore(float* p, V16 a) { for (int i = 0; i < 16; ++i) p[i] = a.x[i]; }
+inline V16 vset1(float v) { V16 r; for (int i = 0; i < 16; ++i) r.x[i] = v; return r; }
+inline V16 vfma(V16 a, V16 b, V16 c) { for (int i = 0; i < 16; ++i) c.x[i] += a.x[i] * b.x[i]; return c; }
+inline V16 vmul(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.x[i] *= b.x[i]; return a; }
+inline V16 vsub(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.x[i] -= b.x[i]; return a; }
+inline V16 vmax(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.x[i] = std::max(a.x[i], b.x[i]); return a; }
+inline float vsum(V16 a) { float s = 0.f; for (int i = 0; i < 16; ++i) s += a.x[i]; return s; }
+inline float vhmax(V16 a) { float m = a.x[0]; for (int i = 1; i < 16; ++i) m = std::max(m, a.x[i]); return m; }
+inline V16 vexp(V16 a) { for (int i = 0; i < 16; ++i) a.x[i] = std::exp(std::max(a.x[i], -87.f)); return a; }
+inline float to_float(float x) { return x; }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+template <typename T>
+inline V16 vconvert(const T* p) { V16 r; for (int i = 0; i < 16; ++i) r.x[i] = to_float(p[i]); return r; }
+#endif
+
+inline float scalar_float(float x) { return x; }
+inline float scalar_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline void from_float(float x, float* dst) { *dst = x; }
+inline void from_float(float x, c10::BFloat16* dst) { *dst = c10::BFloat16(x); }
+
+struct WorkItem {
+  int64_t seq;
+  int64_t head;     // kv head
+  int64_t row0;     // first row of the block (within the sequence's rows for this head)
+  int64_t rows;
+  int64_t t0, t1;   // context token range
+  int64_t scratch;  // float offset of this item's partial: acc [rows, D], max [rows], sum [rows]
+};
+
+template <typename QT, typename KT, int D>
+struct Kernel {
+  static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
+  static constexpr int kVecs = D / 16;
+
+  const QT* q;                  // [T, Hq, D]
+  const KT* k;                  // [slots, Hkv, D]
+  const KT* v;
+  const QT* k_scale = nullptr;  // int8 only: one scale per slot and kv head [slots, Hkv]
+  const QT* v_scale = nullptr;
+  const int64_t* pages;         // concatenated page lists
+  const int64_t* page_starts;   // [B + 1]
+  const int64_t* q_starts;      // [B + 1]
+  const int64_t* ctx_lens;      // [B]
+  int64_t page_shift, hkv, hq, group;
+  float scale;
+
+  // One context token's K or V row for `head`, as floats.
+  inline void load_row(const KT* base, const QT* scales, int64_t s, int64_t head,
+                       float* __restrict out) const {
+    const KT* src = base + (s * hkv + head) * D;
+    const V16 sc = vset1(scales != nullptr ? scalar_float(scales[s * hkv + head]) : 1.f);
+    for (int c = 0; c < kVecs; ++c) vstore(out + 16 * c, vmul(vconvert(src + 16 * c), sc));
+  }
+
+  void run(const WorkItem& w, float* scratch) const {
+    const int64_t n = q_starts[w.seq + 1] - q_starts[w.seq];
+    const int64_t L = ctx_lens[w.seq];
+    const int64_t R = w.rows;
+    const int64_t mask = (int64_t{1} << page_shift) - 1;
+    const int64_t* seq_pages = pages + page_starts[w.seq];
+    // Query rows as floats, prescaled, padded with zero rows to a multiple of 4; each
+    // row's position is the last context token it may see.
+    alignas(64) float qf[kRowBlock + 3][D];
+    int64_t pos[kRowBlock];
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t row = w.row0 + r;
+      const int64_t tok = row / group;
+      const int64_t head_q = w.head * group + row % group;
+      const QT* src = q + ((q_starts[w.seq] + tok) * hq + head_q) * D;
+      for (int d = 0; d < D; ++d) qf[r][d] = scalar_float(src[d]) * scale;
+      pos[r] = L - n + tok;
+    }
+    for (int64_t r = R; r < ((R + 3) & ~int64_t{3}); ++r)
+      for (int d = 0; d < D; ++d) qf[r][d] = 0.f;
+    float* acc = scratch + w.scratch;  // [R, D]
+    float* mx = acc + R * D;           // [R]
+    float* sum = mx + R;               // [R]
+    for (int64_t r = 0; r < R; ++r) {
+      mx[r] = kNoScore;
+      sum[r] = 0.f;
+      for (int d = 0; d < D; ++d) acc[r * D + d] = 0.f;
+    }
+    const int64_t t_end = std::min(w.t1, pos[R - 1] + 1);  // rows are in position order
+    alignas(64) float kt[D][kTile];    // K tile transposed (many rows)
+    alignas(64) float krow[kTile][D];  // K tile as rows (few rows)
+    alignas(64) float vrow[kTile][D];
+    alignas(64) float s[kRowBlock + 3][kTile];
+    for (int64_t t0 = w.t0; t0 < t_end; t0 += kTile) {
+      const int64_t T = std::min(kTile, t_end - t0);
+      int64_t slots[kTile];
+      for (int64_t j = 0; j < T; ++j) {
+        const int64_t t = t0 + j;
+        slots[j] = (seq_pages[t >> page_shift] << page_shift) + (t & mask);
+      }
+      if (R <= kFewRows) {
+        for (int64_t j = 0; j < T; ++j) load_row(k, k_scale, slots[j], w.head, krow[j]);
+        for (int64_t r = 0; r < R; ++r) {
+          V16 qv[kVecs];
+          for (int c = 0; c < kVecs; ++c) qv[c] = vload(qf[r] + 16 * c);
+          for (int64_t j = 0; j < T; ++j) {
+            V16 dot = vmul(qv[0], vload(krow[j]));
+            for (int c = 1; c < kVecs; ++c) dot = vfma(qv[c], vload(krow[j] + 16 * c), dot);
+            s[r][j] = vsum(dot);
+          }
+        }
+      } else {
+        for (int64_t j = 0; j < T; ++j) {
+          load_row(k, k_scale, slots[j], w.head, krow[0]);
+          for (int d = 0; d < D; ++d) kt[d][j] = krow[0][d];
+        }
+        for (int64_t j = T; j < kTile; ++j)
+          for (int d = 0; d < D; ++d) kt[d][j] = 0.f;
+        for (int64_t r = 0; r < R; r += 4) {  // four rows share each K load
+          V16 a0 = vset1(0.f), a1 = vset1(0.f), b0 = vset1(0.f), b1 = vset1(0.f);
+          V16 c0 = vset1(0.f), c1 = vset1(0.f), e0 = vset1(0.f), e1 = vset1(0.f);
+          for (int d = 0; d < D; ++d) {
+            const V16 k0 = vload(kt[d]), k1 = vload(kt[d] + 16);
+            const V16 q0 = vset1(qf[r][d]), q1 = vset1(qf[r + 1][d]);
+            const V16 q2 = vset1(qf[r + 2][d]), q3 = vset1(qf[r + 3][d]);
+            a0 = vfma(q0, k0, a0), a1 = vfma(q0, k1, a1);
+            b0 = vfma(q1, k0, b0), b1 = vfma(q1, k1, b1);
+            c0 = vfma(q2, k0, c0), c1 = vfma(q2, k1, c1);
+            e0 = vfma(q3, k0, e0), e1 = vfma(q3, k1, e1);
+          }
+          vstore(s[r], a0), vstore(s[r] + 16, a1);
+          vstore(s[r + 1], b0), vstore(s[r + 1] + 16, b1);
+          vstore(s[r + 2], c0), vstore(s[r + 2] + 16, c1);
+          vstore(s[r + 3], e0), vstore(s[r + 3] + 16, e1);
+        }
+      }
+      for (int64_t j = 0; j < T; ++j) load_row(v, v_scale, slots[j], w.head, vrow[j]);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t visible = std::min<int64_t>(T, pos[r] - t0 + 1);  // causal bound
+        if (visible <= 0) continue;
+        float* __restrict sr = s[r];
+        for (int64_t j = visible; j < kTile; ++j) sr[j] = kNoScore;
+        const float m_new = std::max(mx[r], vhmax(vmax(vload(sr), vload(sr + 16))));
+        const V16 m_vec = vset1(m_new);
+        const V16 p0 = vexp(vsub(vload(sr), m_vec));
+        const V16 p1 = vexp(vsub(vload(sr + 16), m_vec));
+        vstore(sr, p0), vstore(sr + 16, p1);
+        for (int64_t j = visible; j < kTile; ++j) sr[j] = 0.f;  // masked: exactly nothing
+        const float correction = std::exp(mx[r] - m_new);
+        mx[r] = m_new;
+        sum[r] = sum[r] * correction + vsum(vload(sr)) + vsum(vload(sr + 16));
+        float* __restrict a = acc + r * D;
+        V16 av[kVecs];
+        const V16 corr = vset1(correction);
+        for (int c = 0; c < kVecs; ++c) av[c] = vmul(vload(a + 16 * c), corr);
+        for (int64_t j = 0; j < visible; ++j) {
+          const V16 p = vset1(sr[j]);
+          for (int c = 0; c < kVecs; ++c) av[c] = vfma(p, vload(vrow[j] + 16 * c), av[c]);
+        }
+        for (int c = 0; c < kVecs; ++c) vstore(a + 16 * c, av[c]);
+      }
+    }
+  }
+};
+
+template <typename QT, typename KT, int D>
+void attend_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& k_scale, const at::Tensor& v_scale,
+                  const at::Tensor& pages, const at::Tensor& page_starts,
+                  const at::Tensor& q_starts, const at::Tensor& ctx_lens, int64_t page_size,
+                  double scale, at::Tensor& out) {
+  const int64_t B = ctx_lens.size(0);
+  const int64_t hq = q.size(1);
+  const int64_t hkv = k.size(1);
+  const int64_t group = hq / hkv;
+  Kernel<QT, KT, D> kern;
+  kern.q = q.data_ptr<QT>();
+  kern.k = reinterpret_cast<const KT*>(k.data_ptr());
+  kern.v = reinterpret_cast<const KT*>(v.data_ptr());
+  if (k_scale.defined()) {
+    kern.k_scale = k_scale.data_ptr<QT>();
+    kern.v_scale = v_scale.data_ptr<QT>();
+  }
+  kern.pages = pages.data_ptr<int64_t>();
+  kern.page_starts = page_starts.data_ptr<int64_t>();
+  kern.q_starts = q_starts.data_ptr<int64_t>();
+  kern.ctx_lens = ctx_lens.data_ptr<int64_t>();
+  TORCH_CHECK(page_size > 0 && (page_size & (page_size - 1)) == 0, "page_size: a power of two");
+  int64_t shift = 0;
+  while ((int64_t{1} << shift) < page_size) ++shift;
+  kern.page_shift = shift;
+  kern.hkv = hkv;
+  kern.hq = hq;
+  kern.group = group;
+  kern.scale = static_cast<float>(scale);
+
+  // Work items: (sequence, kv head, row block, context split). A sequence whose rows fit
+  // in one block gets its context split so that even one long decode fills every core.
+  std::vector<WorkItem> items;
+  std::vector<int64_t> block_first_item;  // per (seq, head, row block): first item index
+  int64_t scratch_floats = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = kern.q_starts[b + 1] - kern.q_starts[b];
+    const int64_t L = kern.ctx_lens[b];
+    const int64_t rows = n * group;
+    const int64_t splits = std::max<int64_t>(1, (L + kSplitTokens - 1) / kSplitTokens);
+    for (int64_t h = 0; h < hkv; ++h) {
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+        const int64_t R = std::min(kRowBlock, rows - r0);
+        block_first_item.push_back(static_cast<int64_t>(items.size()));
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          const int64_t t0 = sp * kSplitTokens;
+          items.push_back({b, h, r0, R, t0, std::min(L, t0 + kSplitTokens), scratch_floats});
+          scratch_floats += R * (D + 2);
+        }
+      }
+    }
+  }
+  block_first_item.push_back(static_cast<int64_t>(items.size()));
+  std::vector<float> scratch(static_cast<size_t>(scratch_floats));
+  float* scratch_ptr = scratch.data();
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) kern.run(items[i], scratch_ptr);
+  });
+
+  // Merge each row block's splits in split order and write the output rows.
+  QT* o = out.data_ptr<QT>();
+  const int64_t blocks = static_cast<int64_t>(block_first_item.size()) - 1;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t first = block_first_item[blk];
+      const int64_t last = block_first_item[blk + 1];
+      const WorkItem& w0 = items[first];
+      const int64_t R = w0.rows;
+      for (int64_t r = 0; r < R; ++r) {
+        float m = kNoScore;
+        for (int64_t i = first; i < last; ++i) {
+          const float* part = scratch_ptr + items[i].scratch;
+          m = std::max(m, part[R * D + r]);
+        }
+        alignas(64) float total[D];
+        for (int d = 0; d < D; ++d) total[d] = 0.f;
+        float denom = 0.f;
+        for (int64_t i = first; i < last; ++i) {
+          const float* part = scratch_ptr + items[i].scratch;
+          const float part_sum = part[R * D + R + r];
+          if (part_sum == 0.f) continue;  // every token of this split was masked for the row
+          const float w = std::exp(part[R * D + r] - m);
+          denom += part_sum * w;
+          const float* a = part + r * D;
+          for (int d = 0; d < D; ++d) total[d] += a[d] * w;
+        }
+        const float inv = 1.f / denom;
+        const int64_t row = w0.row0 + r;
+        const int64_t tok = row / group;
+        const int64_t head_q = w0.head * group + row % group;
+        QT* dst = o + ((kern.q_starts[w0.seq] + tok) * hq + head_q) * D;
+        for (int d = 0; d < D; ++d) from_float(total[d] * inv, dst + d);
+      }
+    }
+  });
+}
+
+template <typename QT, typename KT>
+void dispatch_dim(int64_t D, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& pages,
+                  const at::Tensor& page_starts, const at::Tensor& q_starts,
+                  const at::Tensor& ctx_lens, int64_t page_size, double scale, at::Tensor& out) {
+  switch (D) {
+    case 16:  // the tests' tiny models
+      return attend_typed<QT, KT, 16>(q, k, v, ks, vs, pages, page_starts, q_starts, ctx_lens,
+                                      page_size, scale, out);
+    case 64:
+      return attend_typed<QT, KT, 64>(q, k, v, ks, vs, pages, page_starts, q_starts, ctx_lens,
+                                      page_size, scale, out);
+    case 128:
+      return attend_typed<QT, KT, 128>(q, k, v, ks, vs, pages, page_starts, q_starts, ctx_lens,
+                                       page_size, scale, out);
+    default:
+      TORCH_CHECK(false, "kvchat attention: head_dim ", D, " is not compiled (16, 64, 128)");
+  }
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const std::optional<at::Tensor>& k_scale,
+                  const std::optional<at::Tensor>& v_scale, const at::Tensor& pages,
+                  const at::Tensor& page_starts, const at::Tensor& q_starts,
+                  const at::Tensor& ctx_lens, int64_t page_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [T,Hq,D], k/v [slots,Hkv,D]");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of kv heads");
+  TORCH_CHECK(pages.scalar_type() == at::kLong && page_starts.scalar_type() == at::kLong &&
+                  q_starts.scalar_type() == at::kLong && ctx_lens.scalar_type() == at::kLong,
+              "index tensors must be int64");
+  const int64_t D = q.size(2);
+  at::Tensor out = at::empty_like(q);
+  const bool int8_kv = k.scalar_type() == at::kChar;
+  at::Tensor ks, vs;
+  if (int8_kv) {
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "int8 K/V need their scales");
+    ks = *k_scale;
+    vs = *v_scale;
+    TORCH_CHECK(ks.scalar_type() == q.scalar_type() && vs.scalar_type() == q.scalar_type() &&
+                    ks.is_contiguous() && vs.is_contiguous(),
+                "int8 scales: contiguous, in the query dtype");
+  } else {
+    TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+                "K/V in the query dtype");
+  }
+  if (q.scalar_type() == at::kBFloat16) {
+    if (int8_kv)
+      dispatch_dim<c10::BFloat16, int8_t>(D, q, k, v, ks, vs, pages, page_starts, q_starts,
+                                          ctx_lens, page_size, scale, out);
+    else
+      dispatch_dim<c10::BFloat16, c10::BFloat16>(D, q, k, v, ks, vs, pages, page_starts,
+                                                 q_starts, ctx_lens, page_size, scale, out);
+  } else if (q.scalar_type() == at::kFloat) {
+    if (int8_kv)
+      dispatch_dim<float, int8_t>(D, q, k, v, ks, vs, pages, page_starts, q_starts, ctx_lens,
+                                  page_size, scale, out);
+    else
+      dispatch_dim<float, float>(D, q, k, v, ks, vs, pages, page_starts, q_starts, ctx_lens,
+                                 page_size, scale, out);
+  } else {
+    TORCH_CHECK(false, "kvchat attention: dtype ", q.scalar_type(), " is not compiled");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvchat, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, "
+      "Tensor pages, Tensor page_starts, Tensor q_starts, Tensor ctx_lens, int page_size, "
+      "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvchat, CPU, m) { m.impl("paged_attention", attend); }

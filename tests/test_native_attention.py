@@ -1,0 +1,204 @@
+"""kvchat's compiled CPU attention kernel: exact against a float64 reference, batch-invariant,
+interchangeable with torch's SDPA inside the engine, and optional (no compiler: SDPA)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvchat.engine import native_attention
+from kvchat.engine.paged_attention import PagedAttention
+from kvchat.engine.request import GenerationRequest
+from kvchat.model.batch import ForwardBatch
+from kvchat.model.loader import load_model
+from tests.engine_helpers import Collector, small_engine
+
+
+@pytest.fixture
+def kernel(native_attention_kernel) -> None:
+    """The kernel must have built wherever a C++ compiler exists; skip only without one."""
+    if native_attention._compiler() is None or native_attention.disabled():
+        pytest.skip("no C++ compiler here (or the kernel is turned off)")
+    assert native_attention_kernel, native_attention.status().detail
+
+
+def _case(seed: int, dtype, head_dim, page_size, query_lens, context_lens, kv_int8=False):
+    """A paged store with each sequence's pages scattered, queries, and the kernel's tables."""
+    g = torch.Generator().manual_seed(seed)
+    hkv, group = 2, 3
+    pages_needed = [(c + page_size - 1) // page_size for c in context_lens]
+    num_pages = sum(pages_needed) + 3
+    order = list(range(num_pages))
+    random.Random(seed).shuffle(order)
+    page_lists, at = [], 0
+    for n in pages_needed:
+        page_lists.append(order[at : at + n])
+        at += n
+    shape = (num_pages * page_size, hkv, head_dim)
+    if kv_int8:
+        k = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+        v = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+        ks = (torch.rand(shape[:2], generator=g) / 50).to(dtype)
+        vs = (torch.rand(shape[:2], generator=g) / 50).to(dtype)
+    else:
+        k = torch.randn(shape, generator=g).to(dtype)
+        v = torch.randn(shape, generator=g).to(dtype)
+        ks = vs = None
+    q = torch.randn(sum(query_lens), hkv * group, head_dim, generator=g).to(dtype)
+    return q, k, v, ks, vs, page_lists
+
+
+def _tables(page_lists, query_lens, context_lens):
+    starts, q_starts = [0], [0]
+    for p in page_lists:
+        starts.append(starts[-1] + len(p))
+    for n in query_lens:
+        q_starts.append(q_starts[-1] + n)
+    return (
+        torch.tensor([p for pl in page_lists for p in pl], dtype=torch.long),
+        torch.tensor(starts, dtype=torch.long),
+        torch.tensor(q_starts, dtype=torch.long),
+        torch.tensor(context_lens, dtype=torch.long),
+    )
+
+
+def _reference(q, k, v, ks, vs, page_lists, query_lens, context_lens, page_size):
+    """Causal attention in float64, each sequence's context gathered slot by slot."""
+    kd, vd = k.double(), v.double()
+    if ks is not None:
+        kd, vd = kd * ks.double().unsqueeze(-1), vd * vs.double().unsqueeze(-1)
+    group = q.shape[1] // k.shape[1]
+    out, start = [], 0
+    for pages, n, total in zip(page_lists, query_lens, context_lens, strict=True):
+        slots = torch.tensor(
+            [pages[t // page_size] * page_size + t % page_size for t in range(total)]
+        )
+        keys = kd[slots].repeat_interleave(group, 1).transpose(0, 1)  # [Hq, L, D]
+        values = vd[slots].repeat_interleave(group, 1).transpose(0, 1)
+        queries = q[start : start + n].double().transpose(0, 1)  # [Hq, n, D]
+        scores = queries @ keys.transpose(1, 2) / q.shape[2] ** 0.5
+        positions = torch.arange(total - n, total)[:, None]
+        scores = scores.masked_fill(torch.arange(total)[None, :] > positions, float("-inf"))
+        out.append((scores.softmax(-1) @ values).transpose(0, 1))
+        start += n
+    return torch.cat(out)
+
+
+CASES = [
+    # (query lens, context lens): decodes, a long decode split over many work items, a
+    # prefill chunk after a prefix, a fresh prompt, a context ending mid-page
+    ((1, 1, 1), (1, 17, 300)),
+    ((1,), (1200,)),
+    ((20, 1), (700, 33)),
+    ((40,), (40,)),
+    ((5, 1, 70), (21, 530, 90)),
+]
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_int8", [False, True])
+def test_kernel_matches_float64_reference(case, head_dim, dtype, kv_int8) -> None:
+    query_lens, context_lens = CASES[case]
+    page_size = 16 if case % 2 else 64
+    q, k, v, ks, vs, page_lists = _case(
+        case, dtype, head_dim, page_size, query_lens, context_lens, kv_int8
+    )
+    out = native_attention.paged_attention(
+        q, k, v, ks, vs, *_tables(page_lists, query_lens, context_lens), page_size, head_dim**-0.5
+    )
+    expected = _reference(q, k, v, ks, vs, page_lists, query_lens, context_lens, page_size)
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2  # bf16: the output's own rounding
+    assert torch.allclose(out.double(), expected, atol=tol, rtol=tol), (
+        (out.double() - expected).abs().max()
+    )
+
+
+@pytest.mark.usefixtures("kernel")
+def test_a_sequence_gets_the_same_bits_whatever_it_is_batched_with() -> None:
+    """Work is split by each sequence's own lengths, never the batch's: greedy and seeded
+    sampling stay reproducible whatever else is running."""
+    query_lens, context_lens = (1, 1, 1, 30), (900, 40, 2500, 300)
+    q, k, v, _, _, page_lists = _case(7, torch.bfloat16, 64, 16, query_lens, context_lens)
+    together = native_attention.paged_attention(
+        q, k, v, None, None, *_tables(page_lists, query_lens, context_lens), 16, 0.125
+    )
+    alone = native_attention.paged_attention(
+        q[:1], k, v, None, None, *_tables(page_lists[:1], (1,), (900,)), 16, 0.125
+    )
+    assert torch.equal(together[:1], alone)
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("mixed", [False, True])
+def test_paged_attention_gives_the_same_result_with_and_without_the_kernel(mixed) -> None:
+    """Decodes through the kernel, in a decode-only step and beside a prefill chunk."""
+    g = torch.Generator().manual_seed(3)
+    layers, pages, page, hkv, group, d = 1, 40, 16, 2, 3, 64
+    k_all = torch.randn(layers, pages, page, hkv, d, generator=g)
+    v_all = torch.randn(layers, pages, page, hkv, d, generator=g)
+    runs = [[5], [6], list(range(9, 21))] if mixed else [[5], [6], [7]]
+    starts = [100, 37, 150]
+    page_lists = [list(range(0, 12)), list(range(20, 12, -1)), list(range(25, 40))]
+    batch = ForwardBatch.from_runs(runs, starts)
+    q = torch.randn(batch.num_tokens, hkv * group, d, generator=g)
+    k_new = torch.randn(batch.num_tokens, hkv, d, generator=g)
+    v_new = torch.randn(batch.num_tokens, hkv, d, generator=g)
+
+    def run(native: bool) -> torch.Tensor:
+        attention = PagedAttention(k_all.clone(), v_all.clone())
+        attention.native_enabled = native
+        attention.prepare(batch, page_lists)
+        assert (attention._native is not None) == native
+        return attention(0, q, k_new, v_new)
+
+    assert torch.allclose(run(True), run(False), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.usefixtures("kernel")
+def test_engine_greedy_output_is_the_same_with_the_kernel_and_with_sdpa(tiny_llama_dir) -> None:
+    model = load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
+    assert model.config.head_dim in native_attention.HEAD_DIMS
+    prompts = [[3 + (i * 7 + j) % 90 for j in range(10 + 13 * i)] for i in range(4)]
+
+    def run(native: bool) -> list[tuple[int, ...]]:
+        with small_engine(model, native_attention=native) as engine:
+            collectors = [Collector() for _ in prompts]
+            for prompt, c in zip(prompts, collectors, strict=True):
+                engine.submit(GenerationRequest(tuple(prompt), max_tokens=40, ignore_eos=True), c)
+            outputs = [c.wait().generated_ids for c in collectors]
+            assert engine.attention.uses_native() == native
+            return outputs
+
+    assert run(True) == run(False)
+
+
+def test_without_a_compiler_kvchat_keeps_sdpa_and_says_why(monkeypatch, tiny_llama_dir) -> None:
+    monkeypatch.setattr(native_attention._State, "detail", native_attention._State.detail)
+    monkeypatch.setattr(native_attention, "_compiler", lambda: None)
+    monkeypatch.setattr(native_attention._State, "loaded", False)
+    monkeypatch.setattr(native_attention._State, "building", None)
+    native_attention.request(wait=True)
+    status = native_attention.status()
+    assert not status.loaded and "no C++ compiler" in status.detail
+    model = load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
+    with small_engine(model) as engine:
+        c = Collector()
+        engine.submit(GenerationRequest((5, 6, 7), max_tokens=4, ignore_eos=True), c)
+        assert len(c.wait().generated_ids) == 4
+        assert not engine.attention.uses_native()
+
+
+def test_the_kernel_can_be_turned_off(monkeypatch) -> None:
+    monkeypatch.setattr(native_attention._State, "detail", native_attention._State.detail)
+    monkeypatch.setenv(native_attention.DISABLE_ENV, "0")
+    monkeypatch.setattr(native_attention._State, "loaded", False)
+    monkeypatch.setattr(native_attention._State, "building", None)
+    native_attention.request(wait=True)
+    assert not native_attention.loaded()
+    assert "turned off" in native_attention.status().detail
