@@ -23,3 +23,12 @@ def test_builtin_themes_are_importable_resources():
 
     names = {p.name for p in importlib.resources.files("kvchat.themes").iterdir()}
     assert {"dark.toml", "light.toml", "high-contrast.toml"} <= names
+
+
+def test_the_attention_kernel_source_ships_as_package_data():
+    """native_attention compiles it on the user's machine: the wheel must carry it."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    patterns = data["package-data"]["kvchat.engine"]
+    source = ROOT / "kvchat" / "engine" / "native" / "paged_attention.cpp"
+    assert source.exists()
+    assert any(source.match(f"kvchat/engine/{p}") for p in patterns)

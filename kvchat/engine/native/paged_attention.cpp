@@ -40,6 +40,7 @@ constexpr int64_t kSplitTokens = 256;  // context tokens per work item (a power 
 constexpr int64_t kRowBlock = 64;      // rows per work item
 constexpr int64_t kTile = 32;          // context tokens per inner tile
 constexpr int64_t kFewRows = 8;        // up to this many rows: dot products, no K transpose
+constexpr int64_t kParallelWork = 2048;  // row-tokens below which one thread does it all
 constexpr float kNoScore = -1e30f;
 
 // ---- 16 floats at a time: AVX-512 where the compiler targets it, plain loops elsewhere.
@@ -138,7 +139,11 @@ struct Kernel {
   inline void load_row(const KT* base, const QT* scales, int64_t s, int64_t head,
                        float* __restrict out) const {
     const KT* src = base + (s * hkv + head) * D;
-    const V16 sc = vset1(scales != nullptr ? scalar_float(scales[s * hkv + head]) : 1.f);
+    if (scales == nullptr) {
+      for (int c = 0; c < kVecs; ++c) vstore(out + 16 * c, vconvert(src + 16 * c));
+      return;
+    }
+    const V16 sc = vset1(scalar_float(scales[s * hkv + head]));
     for (int c = 0; c < kVecs; ++c) vstore(out + 16 * c, vmul(vconvert(src + 16 * c), sc));
   }
 
@@ -303,15 +308,21 @@ void attend_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   block_first_item.push_back(static_cast<int64_t>(items.size()));
   std::vector<float> scratch(static_cast<size_t>(scratch_floats));
   float* scratch_ptr = scratch.data();
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  // Below a few hundred tokens of context, waking the thread pool costs more than the
+  // attention itself; above, two cores stream K/V from the last-level cache faster than one.
+  int64_t work = 0;
+  for (const WorkItem& w : items) work += (w.t1 - w.t0) * w.rows;
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t grain = work < kParallelWork ? std::max<int64_t>(n_items, 1) : 1;
+  at::parallel_for(0, n_items, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) kern.run(items[i], scratch_ptr);
   });
 
-  // Merge each row block's splits in split order and write the output rows.
+  // Merge each row block's splits in split order and write the output rows (on this
+  // thread: a few vector operations per split, cheaper than another parallel region).
   QT* o = out.data_ptr<QT>();
   const int64_t blocks = static_cast<int64_t>(block_first_item.size()) - 1;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
+  for (int64_t blk = 0; blk < blocks; ++blk) {
       const int64_t first = block_first_item[blk];
       const int64_t last = block_first_item[blk + 1];
       const WorkItem& w0 = items[first];
@@ -341,8 +352,7 @@ void attend_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         QT* dst = o + ((kern.q_starts[w0.seq] + tok) * hq + head_q) * D;
         for (int d = 0; d < D; ++d) from_float(total[d] * inv, dst + d);
       }
-    }
-  });
+  }
 }
 
 template <typename QT, typename KT>
