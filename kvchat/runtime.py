@@ -104,7 +104,10 @@ def start_engine(options: RuntimeOptions, progress: Callable[[str], None]):
 
 
 def describe_cache(engine) -> str:
-    """One line a user can read at start: where the KV cache lives and how big it is."""
+    """One line a user can read at start: where the KV cache lives, how big it is, and
+    which attention reads it."""
+    from kvchat.engine import native_attention
+
     s = engine.stats()
     ps = s.page_size
     dev = s.pages["device"].capacity
@@ -113,5 +116,6 @@ def describe_cache(engine) -> str:
     return (
         f"KV cache: {dev} pages x {ps} tokens on {engine.transformer.device.type} "
         f"({dev * ps:,} tokens, {dev * per_page / 2**20:.0f} MiB), host tier {host} pages "
-        f"({host * ps:,} tokens, {host * per_page / 2**20:.0f} MiB)"
+        f"({host * ps:,} tokens, {host * per_page / 2**20:.0f} MiB); attention: "
+        f"{native_attention.summary(engine.transformer.device)}"
     )

@@ -11,11 +11,10 @@ CPU it runs on, and a pure-Python wheel installs everywhere. The build takes ~15
 with the system C++ compiler against torch's own headers, runs in the background
 (attention uses torch's SDPA until it is loaded), and is cached under the cache
 folder keyed by the source, torch, the compiler and the CPU. Without a compiler, or
-if anything fails, kvchat keeps using SDPA and says why in `kvchat paths`-style
-status (`status()`), never failing a request for it.
+if anything fails, kvchat keeps using SDPA, says why on its start-up line
+(`summary()`), and never fails a request for it.
 
-`KVCHAT_NATIVE_ATTENTION=0` turns it off (the settings file's `engine.attention`
-does too).
+`KVCHAT_NATIVE_ATTENTION=0` turns it off.
 """
 
 from __future__ import annotations
@@ -179,6 +178,18 @@ def loaded() -> bool:
 def status() -> KernelStatus:
     with _State.lock:
         return KernelStatus(_State.loaded, _State.detail)
+
+
+def summary(device: torch.device) -> str:
+    """A few words for the start-up line: which attention serves this engine."""
+    if device.type != "cpu":
+        return "torch SDPA"
+    with _State.lock:
+        if _State.loaded:
+            return "kvchat's CPU kernel"
+        if _State.building is not None and _State.building.is_alive():
+            return "torch SDPA until kvchat's kernel is compiled (once, ~15 s)"
+        return _State.detail
 
 
 def supports(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:

@@ -1,0 +1,57 @@
+"""Decode speed with kvchat's attention kernel against torch's SDPA, interleaved in one process.
+
+    python benchmarks/attention_ab.py [--contexts 512,3072,6144] [--repeats 3]
+
+For each context length: a session reads a document of that many tokens and answers
+with 64 tokens; the decode rate is taken after the first token. The two attentions
+alternate run by run on the same engine build, so the machine's drift (its L3 is shared
+with other tenants) hits both alike. Prints the median ms per token of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from kvchat.bench import documents as docs
+from kvchat.bench.peers.kvchat import KvchatPeer
+from kvchat.engine import native_attention
+from kvchat.model.loader import load_model
+
+ANSWER_TOKENS = 64
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="512,3072,6144")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    args = parser.parse_args()
+    model = load_model(args.model)
+    peer = KvchatPeer(model, page_size=256)  # waits for the kernel's build
+    print(f"attention kernel: {native_attention.status().detail}")
+    results: dict[tuple[int, bool], list[float]] = {}
+    for context in (int(c) for c in args.contexts.split(",")):
+        history = docs.history_of(model, docs.SWEEP_FILES[0], context)
+        for _ in range(args.repeats):
+            for native in (True, False):
+                chat = peer.chat(2 * (context + 4 * ANSWER_TOKENS + 128))
+                chat.engine.attention.native_enabled = native
+                session = chat.new_session()
+                start = time.perf_counter()
+                turn = chat.turn(session, history, ANSWER_TOKENS)
+                elapsed = time.perf_counter() - start
+                per_token = (elapsed - turn.ttft_s) / (ANSWER_TOKENS - 1)
+                results.setdefault((context, native), []).append(per_token * 1e3)
+                chat.close()
+        kernel = statistics.median(results[(context, True)])
+        sdpa = statistics.median(results[(context, False)])
+        print(
+            f"context {context:>5}: kernel {kernel:5.1f} ms/token, SDPA {sdpa:5.1f} ms/token "
+            f"({sdpa / kernel:.2f}x)"
+        )
+
+
+if __name__ == "__main__":
+    main()
