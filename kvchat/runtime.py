@@ -95,10 +95,10 @@ def start_engine(options: RuntimeOptions, progress: Callable[[str], None]):
 
     import torch
 
-    from kvchat.engine import native_attention
+    from kvchat.native import build as native_build
 
     if options.device == "cpu" or (options.device is None and not torch.cuda.is_available()):
-        native_attention.request()  # compiles (first run only) while the model loads
+        native_build.request()  # compiles (first run only) while the model loads
     engine = Engine.launch(load, engine_config(options))  # all torch work on one thread
     return engine.model, engine
 
@@ -106,7 +106,7 @@ def start_engine(options: RuntimeOptions, progress: Callable[[str], None]):
 def describe_cache(engine) -> str:
     """One line a user can read at start: where the KV cache lives, how big it is, and
     which attention reads it."""
-    from kvchat.engine import native_attention
+    from kvchat.native import build as native_build
 
     s = engine.stats()
     ps = s.page_size
@@ -117,5 +117,5 @@ def describe_cache(engine) -> str:
         f"KV cache: {dev} pages x {ps} tokens on {engine.transformer.device.type} "
         f"({dev * ps:,} tokens, {dev * per_page / 2**20:.0f} MiB), host tier {host} pages "
         f"({host * ps:,} tokens, {host * per_page / 2**20:.0f} MiB); attention: "
-        f"{native_attention.summary(engine.transformer.device)}"
+        f"{native_build.summary(engine.transformer.device)}"
     )

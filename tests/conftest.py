@@ -28,21 +28,21 @@ def kvchat_home(tmp_path_factory, monkeypatch) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def native_attention_kernel() -> bool:
-    """Build (or load) the attention kernel once, before any test, so every engine in the
+def native_kernels() -> bool:
+    """Build (or load) kvchat's kernels once, before any test, so every engine in the
     run uses the same attention; the build is cached in the shared test cache."""
-    from kvchat.engine import native_attention
+    from kvchat.native import build as native_build
 
     old = os.environ.get("KVCHAT_HOME")
     os.environ["KVCHAT_HOME"] = str(TEST_CACHE.parent / "kvchat-test-native")
     try:
-        native_attention.request(wait=True)
+        native_build.request(wait=True)
     finally:
         if old is None:
             os.environ.pop("KVCHAT_HOME", None)
         else:
             os.environ["KVCHAT_HOME"] = old
-    return native_attention.loaded()
+    return native_build.loaded()
 
 
 @pytest.fixture(scope="session")

@@ -13,15 +13,16 @@ from kvchat.engine.paged_attention import PagedAttention
 from kvchat.engine.request import GenerationRequest
 from kvchat.model.batch import ForwardBatch
 from kvchat.model.loader import load_model
+from kvchat.native import build as native_build
 from tests.engine_helpers import Collector, small_engine
 
 
 @pytest.fixture
-def kernel(native_attention_kernel) -> None:
+def kernel(native_kernels) -> None:
     """The kernel must have built wherever a C++ compiler exists; skip only without one."""
-    if native_attention._compiler() is None or native_attention.disabled():
+    if native_build._compiler() is None or native_build.disabled():
         pytest.skip("no C++ compiler here (or the kernel is turned off)")
-    assert native_attention_kernel, native_attention.status().detail
+    assert native_kernels, native_build.status().detail
 
 
 def _case(seed: int, dtype, head_dim, page_size, query_lens, context_lens, kv_int8=False):
@@ -179,12 +180,12 @@ def test_engine_greedy_output_is_the_same_with_the_kernel_and_with_sdpa(tiny_lla
 
 
 def test_without_a_compiler_kvchat_keeps_sdpa_and_says_why(monkeypatch, tiny_llama_dir) -> None:
-    monkeypatch.setattr(native_attention._State, "detail", native_attention._State.detail)
-    monkeypatch.setattr(native_attention, "_compiler", lambda: None)
-    monkeypatch.setattr(native_attention._State, "loaded", False)
-    monkeypatch.setattr(native_attention._State, "building", None)
-    native_attention.request(wait=True)
-    status = native_attention.status()
+    monkeypatch.setattr(native_build._State, "detail", native_build._State.detail)
+    monkeypatch.setattr(native_build, "_compiler", lambda: None)
+    monkeypatch.setattr(native_build._State, "loaded", False)
+    monkeypatch.setattr(native_build._State, "building", None)
+    native_build.request(wait=True)
+    status = native_build.status()
     assert not status.loaded and "no C++ compiler" in status.detail
     model = load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
     with small_engine(model) as engine:
@@ -195,10 +196,10 @@ def test_without_a_compiler_kvchat_keeps_sdpa_and_says_why(monkeypatch, tiny_lla
 
 
 def test_the_kernel_can_be_turned_off(monkeypatch) -> None:
-    monkeypatch.setattr(native_attention._State, "detail", native_attention._State.detail)
-    monkeypatch.setenv(native_attention.DISABLE_ENV, "0")
-    monkeypatch.setattr(native_attention._State, "loaded", False)
-    monkeypatch.setattr(native_attention._State, "building", None)
-    native_attention.request(wait=True)
-    assert not native_attention.loaded()
-    assert "turned off" in native_attention.status().detail
+    monkeypatch.setattr(native_build._State, "detail", native_build._State.detail)
+    monkeypatch.setenv(native_build.DISABLE_ENV, "0")
+    monkeypatch.setattr(native_build._State, "loaded", False)
+    monkeypatch.setattr(native_build._State, "building", None)
+    native_build.request(wait=True)
+    assert not native_build.loaded()
+    assert "turned off" in native_build.status().detail

@@ -25,10 +25,12 @@ def test_builtin_themes_are_importable_resources():
     assert {"dark.toml", "light.toml", "high-contrast.toml"} <= names
 
 
-def test_the_attention_kernel_source_ships_as_package_data():
-    """native_attention compiles it on the user's machine: the wheel must carry it."""
+def test_the_kernel_sources_ship_as_package_data():
+    """kvchat.native.build compiles them on the user's machine: the wheel must carry them."""
+    from kvchat.native.build import SOURCES
+
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    patterns = data["package-data"]["kvchat.engine"]
-    source = ROOT / "kvchat" / "engine" / "native" / "paged_attention.cpp"
-    assert source.exists()
-    assert any(source.match(f"kvchat/engine/{p}") for p in patterns)
+    patterns = data["package-data"]["kvchat.native"]
+    for source in SOURCES:
+        assert source.exists()
+        assert any(source.match(f"kvchat/native/{p}") for p in patterns)

@@ -44,7 +44,7 @@ class EngineConfig:
     max_skips: int = 8  # how often a waiting request may be overtaken by later ones
     max_rq_tokens: int = 2048  # a long generation requeues itself after this many tokens
     kv_format: str = "native"  # part of the page-hash salt
-    # CPU attention through kvchat's compiled kernel (engine/native_attention.py) once it
+    # CPU attention through kvchat's compiled kernel (kvchat/native/) once it
     # has been built; False keeps torch's SDPA.
     native_attention: bool = True
 

@@ -19,7 +19,6 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from kvchat.engine import native_attention
 from kvchat.engine.config import EngineConfig, default_cache_bytes
 from kvchat.engine.events import (
     CachedTokens,
@@ -43,6 +42,7 @@ from kvchat.errors import KvchatError
 from kvchat.model.batch import ForwardBatch
 from kvchat.model.detokenizer import IncrementalDetokenizer
 from kvchat.model.device import dtype_name
+from kvchat.native import build as native_build
 
 log = logging.getLogger(__name__)
 RATE_WINDOW_S = 5.0
@@ -87,7 +87,7 @@ class Engine:
         self.attention = PagedAttention.for_store(self.store)
         self.attention.native_enabled = self.config.native_attention
         if self.config.native_attention and device.type == "cpu":
-            native_attention.request()  # in the background: SDPA serves until it is loaded
+            native_build.request()  # in the background: SDPA serves until it is loaded
         self.scheduler = Scheduler(self.config, self.table)
         self.max_context = min(mc.max_position_embeddings, self.transformer.max_positions)
         self.stop_ids = frozenset(self.tokenizer.stop_token_ids)

@@ -30,7 +30,6 @@ from kvchat.bench.peers.base import BatchResult, SpeedResult, TurnResult
 from kvchat.chat.events import ReplyDelta, ReplyFinished, SessionFailed
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
-from kvchat.engine import native_attention
 from kvchat.engine.config import EngineConfig
 from kvchat.engine.engine import Engine
 from kvchat.engine.events import EngineEvent, RequestFinished, TokenGenerated
@@ -41,6 +40,7 @@ from kvchat.engine.stats import EngineStats
 from kvchat.errors import KvchatError
 from kvchat.model.batch import ForwardBatch
 from kvchat.model.device import dtype_name
+from kvchat.native import build as native_build
 
 GREEDY = SamplingParams(temperature=0.0)
 TURN_TIMEOUT_S = 1800.0
@@ -179,8 +179,8 @@ class KvchatPeer:
             c.num_layers, c.num_kv_heads, c.head_dim, model.transformer.dtype, kv_format
         )
         if model.transformer.device.type == "cpu":
-            native_attention.request(wait=True)  # measured with the kernel users get
-        kernel = native_attention.status()
+            native_build.request(wait=True)  # measured with the kernel users get
+        kernel = native_build.status()
         attention = "kvchat's attention kernel" if kernel.loaded else "torch SDPA attention"
         self.description = (
             f"kvchat {dtype_name(model.transformer.dtype)}, {weights} weights, paged "

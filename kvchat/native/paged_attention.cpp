@@ -17,7 +17,7 @@
 //
 // The loops are written for the compiler to vectorize (-O3 -march=native
 // -ffast-math; no infinities are ever produced: masked scores are excluded by
-// bounds, not by -inf). Compiled on first use by kvchat/engine/native_attention.py.
+// bounds, not by -inf). Compiled on first use by kvchat/native/build.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

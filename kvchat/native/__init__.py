@@ -1,0 +1,1 @@
+"""kvchat's own CPU kernels (C++ sources here), compiled once per machine by `build`."""
