@@ -8,9 +8,9 @@ each sequence's context either as a plain slice (when its pages are one run, as 
 page table's allocation and defragmentation try to leave them) or with one gather.
 
 On a CPU, once kvchat's own kernel is compiled and loaded (`native_attention`), every
-layer runs ONE call for the whole batch, decodes and prefill chunks alike, reading
-K/V in place through the page lists. Until then, and on other devices: decode-only
-batches run one SDPA call for all sequences (padded and masked when
+layer runs ONE kernel call for all the step's decodes, reading K/V in place through
+the page lists; prefill chunks stay on SDPA. Without the kernel, and on other devices:
+decode-only batches run one SDPA call for all sequences (padded and masked when
 there are several; a single sequence with a long context is sliced into a batch of
 parts merged by log-sum-exp, so both cores share the work); prefill chunks run SDPA
 per sequence, causal from the first new token on. Both fold grouped-query heads into

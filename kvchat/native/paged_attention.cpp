@@ -1,11 +1,13 @@
-// kvchat's CPU attention over paged K/V: one call per layer for a whole batch.
+// kvchat's CPU attention over paged K/V: one call per layer for a batch of sequences.
 //
 // Why a kernel of our own: torch's CPU flash attention gives each (batch, head)
-// pair to one thread and needs each sequence's K/V as one strided tensor, so a
-// paged context is gathered (copied) first and a decode over a long context runs
-// on one core per kv head. Here the unit of work is (sequence, kv head, row block,
-// context split): K/V are read in place through the page list, a long decode is
-// spread over every core, and decodes and prefill chunks of one step go in one call.
+// pair to one thread and needs each sequence's K/V as one strided tensor, so a paged
+// context is gathered (copied) first and a decode over a long context runs on one
+// core per kv head. Here the unit of work is (sequence, kv head, row block, context
+// split): K/V are read in place through the page list and a long decode is spread
+// over every core. The kernel computes any causal chunk (the tests check prefill
+// chunks too), but kvchat sends it decodes only: for many query rows torch's blocked
+// bf16 products are faster than these vector loops (see engine/paged_attention.py).
 //
 // Rows: a sequence's new tokens times the query heads that share a kv head, token
 // major (row = token * group + head in group), so each K/V element loaded serves
@@ -15,9 +17,10 @@
 // sequence's own lengths, never on what else is in the batch, so a sequence's
 // result is the same whatever it is batched with.
 //
-// The loops are written for the compiler to vectorize (-O3 -march=native
-// -ffast-math; no infinities are ever produced: masked scores are excluded by
-// bounds, not by -inf). Compiled on first use by kvchat/native/build.py.
+// Arithmetic is on 16 floats at a time: AVX-512 intrinsics where the compiler targets
+// them (-march=native), plain loops for it to vectorize elsewhere. No infinity is ever
+// produced (-ffast-math assumes none): masked scores are excluded by bounds, not -inf.
+// Compiled on first use by kvchat/native/build.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
