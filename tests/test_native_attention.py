@@ -187,6 +187,7 @@ def test_without_a_compiler_kvchat_keeps_sdpa_and_says_why(monkeypatch, tiny_lla
     native_build.request(wait=True)
     status = native_build.status()
     assert not status.loaded and "no C++ compiler" in status.detail
+    assert "torch SDPA" in native_build.summary(torch.device("cpu"))  # the start-up line
     model = load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
     with small_engine(model) as engine:
         c = Collector()
@@ -203,3 +204,9 @@ def test_the_kernel_can_be_turned_off(monkeypatch) -> None:
     native_build.request(wait=True)
     assert not native_build.loaded()
     assert "turned off" in native_build.status().detail
+
+
+@pytest.mark.usefixtures("kernel")
+def test_the_start_up_line_names_the_attention_in_use() -> None:
+    assert native_build.summary(torch.device("cpu")) == "kvchat's CPU kernel"
+    assert native_build.summary(torch.device("cuda")) == "torch SDPA"

@@ -138,11 +138,11 @@ def _build_and_load() -> None:
         torch.ops.load_library(str(target))
         with _State.lock:
             _State.loaded = True
-            _State.detail = f"kvchat's CPU kernels ({target})"
+            _State.detail = f"kvchat's CPU kernel ({target})"
     except Exception as exc:  # any failure leaves torch's kernels in use, with the reason kept
         log.warning("kvchat's kernels unavailable, using torch's: %s", exc)
         with _State.lock:
-            _State.detail = f"torch's kernels (kvchat's unavailable: {exc})"
+            _State.detail = f"torch SDPA (kvchat's kernel unavailable: {exc})"
 
 
 def disabled() -> bool:
@@ -153,7 +153,7 @@ def request(wait: bool = False) -> None:
     """Start loading the kernels (in the background unless `wait`); idempotent."""
     if sys.platform == "win32" or disabled():
         with _State.lock:
-            _State.detail = "torch's kernels (kvchat's turned off)"
+            _State.detail = "torch SDPA (kvchat's kernel turned off)"
         return
     with _State.lock:
         if _State.loaded:
@@ -162,7 +162,7 @@ def request(wait: bool = False) -> None:
         if thread is None:
             thread = threading.Thread(target=_build_and_load, name="kvchat-kernels", daemon=True)
             _State.building = thread
-            _State.detail = "compiling kvchat's kernels"
+            _State.detail = "compiling kvchat's kernel"
             thread.start()
     if wait:
         thread.join()
@@ -178,12 +178,12 @@ def status() -> KernelStatus:
 
 
 def summary(device: torch.device) -> str:
-    """A few words for the start-up line: which kernels serve this engine."""
+    """A few words for the start-up line: which attention serves this engine."""
     if device.type != "cpu":
-        return "torch's"
+        return "torch SDPA"
     with _State.lock:
         if _State.loaded:
-            return "kvchat's CPU kernels"
+            return "kvchat's CPU kernel"
         if _State.building is not None and _State.building.is_alive():
-            return "torch's until kvchat's are compiled (once, ~15 s)"
+            return "torch SDPA while kvchat's kernel compiles (once, ~15 s)"
         return _State.detail
