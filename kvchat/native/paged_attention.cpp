@@ -42,7 +42,7 @@ namespace {
 constexpr int64_t kSplitTokens = 256;  // context tokens per work item (a power of two)
 constexpr int64_t kRowBlock = 64;      // rows per work item
 constexpr int64_t kTile = 32;          // context tokens per inner tile
-constexpr int64_t kFewRows = 8;        // up to this many rows: dot products, no K transpose
+constexpr int64_t kFewRows = 8;        // up to this many rows: dot products per row
 constexpr int64_t kParallelWork = 2048;  // row-tokens below which one thread does it all
 constexpr float kNoScore = -1e30f;
 
@@ -55,6 +55,7 @@ inline V16 vset1(float x) { return _mm512_set1_ps(x); }
 inline V16 vfma(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }
 inline V16 vmul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
 inline V16 vsub(V16 a, V16 b) { return _mm512_sub_ps(a, b); }
+inline V16 vadd(V16 a, V16 b) { return _mm512_add_ps(a, b); }
 inline V16 vmax(V16 a, V16 b) { return _mm512_max_ps(a, b); }
 inline float vsum(V16 x) { return _mm512_reduce_add_ps(x); }
 inline float vhmax(V16 x) { return _mm512_reduce_max_ps(x); }
@@ -71,6 +72,10 @@ inline V16 vexp(V16 x) {  // e^x for x <= 0, relative error ~2e-7
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
+}
+// a where x <= y, else b (lane by lane)
+inline V16 vselect_le(V16 x, V16 y, V16 a, V16 b) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, y, _CMP_LE_OQ), b, a);
 }
 inline V16 vconvert(const float* p) { return _mm512_loadu_ps(p); }
 inline V16 vconvert(const c10::BFloat16* p) {
@@ -91,10 +96,15 @@ inline V16 vset1(float v) { V16 r; for (int i = 0; i < 16; ++i) r.x[i] = v; retu
 inline V16 vfma(V16 a, V16 b, V16 c) { for (int i = 0; i < 16; ++i) c.x[i] += a.x[i] * b.x[i]; return c; }
 inline V16 vmul(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.x[i] *= b.x[i]; return a; }
 inline V16 vsub(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.x[i] -= b.x[i]; return a; }
+inline V16 vadd(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.x[i] += b.x[i]; return a; }
 inline V16 vmax(V16 a, V16 b) { for (int i = 0; i < 16; ++i) a.x[i] = std::max(a.x[i], b.x[i]); return a; }
 inline float vsum(V16 a) { float s = 0.f; for (int i = 0; i < 16; ++i) s += a.x[i]; return s; }
 inline float vhmax(V16 a) { float m = a.x[0]; for (int i = 1; i < 16; ++i) m = std::max(m, a.x[i]); return m; }
 inline V16 vexp(V16 a) { for (int i = 0; i < 16; ++i) a.x[i] = std::exp(std::max(a.x[i], -87.f)); return a; }
+inline V16 vselect_le(V16 x, V16 y, V16 a, V16 b) {
+  for (int i = 0; i < 16; ++i) a.x[i] = x.x[i] <= y.x[i] ? a.x[i] : b.x[i];
+  return a;
+}
 inline float to_float(float x) { return x; }
 inline float to_float(int8_t x) { return static_cast<float>(x); }
 inline float to_float(c10::BFloat16 x) {
@@ -150,16 +160,115 @@ struct Kernel {
     for (int c = 0; c < kVecs; ++c) vstore(out + 16 * c, vmul(vconvert(src + 16 * c), sc));
   }
 
-  void run(const WorkItem& w, float* scratch) const {
+  // Many rows: 16 of them at a time as the lanes of every vector, so a K or V element
+  // is broadcast against 16 rows' queries, the softmax runs across rows lane by lane,
+  // and nothing is transposed or reduced horizontally. Rows [r0, r0 + lanes) of `w`.
+  void run_lanes(const WorkItem& w, int64_t r0, int64_t lanes, float* scratch) const {
     const int64_t n = q_starts[w.seq + 1] - q_starts[w.seq];
     const int64_t L = ctx_lens[w.seq];
     const int64_t R = w.rows;
     const int64_t mask = (int64_t{1} << page_shift) - 1;
     const int64_t* seq_pages = pages + page_starts[w.seq];
-    // Query rows as floats, prescaled, padded with zero rows to a multiple of 4; each
-    // row's position is the last context token it may see.
-    alignas(64) float qf[kRowBlock + 3][D];
-    int64_t pos[kRowBlock];
+    alignas(64) float qt[D][16] = {};  // queries transposed, prescaled; unused lanes zero
+    alignas(64) float posf[16];
+    int64_t last_pos = 0;
+    for (int64_t i = 0; i < 16; ++i) {
+      if (i >= lanes) {
+        posf[i] = -1.f;  // sees nothing
+        continue;
+      }
+      const int64_t row = w.row0 + r0 + i;
+      const int64_t tok = row / group;
+      const int64_t head_q = w.head * group + row % group;
+      const QT* src = q + ((q_starts[w.seq] + tok) * hq + head_q) * D;
+      for (int d = 0; d < D; ++d) qt[d][i] = scalar_float(src[d]) * scale;
+      last_pos = L - n + tok;
+      posf[i] = static_cast<float>(last_pos);
+    }
+    const V16 pos = vload(posf);
+    const V16 no_score = vset1(kNoScore), zero = vset1(0.f);
+    V16 m = no_score, l = zero;
+    alignas(64) float acc[D][16] = {};
+    alignas(64) float krow[kTile][D];
+    alignas(64) float vrow[kTile][D];
+    alignas(64) float p[kTile][16];
+    const int64_t t_end = std::min(w.t1, last_pos + 1);
+    for (int64_t t0 = w.t0; t0 < t_end; t0 += kTile) {
+      const int64_t T = std::min(kTile, t_end - t0);
+      for (int64_t j = 0; j < T; ++j) {
+        const int64_t t = t0 + j;
+        const int64_t s = (seq_pages[t >> page_shift] << page_shift) + (t & mask);
+        load_row(k, k_scale, s, w.head, krow[j]);
+        load_row(v, v_scale, s, w.head, vrow[j]);
+      }
+      for (int64_t j = T; j < kTile; ++j)
+        for (int d = 0; d < D; ++d) krow[j][d] = vrow[j][d] = 0.f;
+      // scores of 8 tokens at a time: 8 independent FMA chains over the head dimension
+      V16 tile_max = no_score;
+      for (int64_t j0 = 0; j0 < kTile; j0 += 8) {
+        V16 a[8];
+        for (int u = 0; u < 8; ++u) a[u] = zero;
+        for (int d = 0; d < D; ++d) {
+          const V16 qd = vload(qt[d]);
+          for (int u = 0; u < 8; ++u) a[u] = vfma(vset1(krow[j0 + u][d]), qd, a[u]);
+        }
+        for (int u = 0; u < 8; ++u) {
+          const V16 t = vset1(static_cast<float>(t0 + j0 + u));
+          const V16 sc = j0 + u < T ? vselect_le(t, pos, a[u], no_score) : no_score;
+          vstore(p[j0 + u], sc);
+          tile_max = vmax(tile_max, sc);
+        }
+      }
+      const V16 m_new = vmax(m, tile_max);
+      const V16 correction = vexp(vsub(m, m_new));
+      V16 tile_sum = zero;
+      for (int64_t j = 0; j < T; ++j) {
+        const V16 t = vset1(static_cast<float>(t0 + j));
+        const V16 e = vselect_le(t, pos, vexp(vsub(vload(p[j]), m_new)), zero);
+        vstore(p[j], e);
+        tile_sum = vadd(tile_sum, e);
+      }
+      l = vfma(l, correction, tile_sum);
+      m = m_new;
+      // acc[d] = acc[d] * correction + sum_j v[j][d] * p[j]: 8 dims at a time
+      for (int d0 = 0; d0 < D; d0 += 8) {
+        V16 a[8];
+        for (int u = 0; u < 8; ++u) a[u] = vmul(vload(acc[d0 + u]), correction);
+        for (int64_t j = 0; j < T; ++j) {
+          const V16 pj = vload(p[j]);
+          for (int u = 0; u < 8; ++u) a[u] = vfma(vset1(vrow[j][d0 + u]), pj, a[u]);
+        }
+        for (int u = 0; u < 8; ++u) vstore(acc[d0 + u], a[u]);
+      }
+    }
+    // the item's partial for these rows, in the layout the merge reads
+    float* out = scratch + w.scratch;  // acc [R, D], max [R], sum [R]
+    alignas(64) float mf[16], lf[16];
+    vstore(mf, m);
+    vstore(lf, l);
+    for (int64_t i = 0; i < lanes; ++i) {
+      for (int d = 0; d < D; ++d) out[(r0 + i) * D + d] = acc[d][i];
+      out[R * D + r0 + i] = mf[i];
+      out[R * D + R + r0 + i] = lf[i];
+    }
+  }
+
+  // Few rows (a decode's query heads of one kv head): each row's score for a token is
+  // one dot product over the head dimension.
+  void run(const WorkItem& w, float* scratch) const {
+    if (w.rows > kFewRows) {
+      for (int64_t r0 = 0; r0 < w.rows; r0 += 16)
+        run_lanes(w, r0, std::min<int64_t>(16, w.rows - r0), scratch);
+      return;
+    }
+    const int64_t n = q_starts[w.seq + 1] - q_starts[w.seq];
+    const int64_t L = ctx_lens[w.seq];
+    const int64_t R = w.rows;
+    const int64_t mask = (int64_t{1} << page_shift) - 1;
+    const int64_t* seq_pages = pages + page_starts[w.seq];
+    // Query rows as floats, prescaled; each row's position is the last token it may see.
+    alignas(64) float qf[kFewRows][D];
+    int64_t pos[kFewRows];
     for (int64_t r = 0; r < R; ++r) {
       const int64_t row = w.row0 + r;
       const int64_t tok = row / group;
@@ -168,8 +277,6 @@ struct Kernel {
       for (int d = 0; d < D; ++d) qf[r][d] = scalar_float(src[d]) * scale;
       pos[r] = L - n + tok;
     }
-    for (int64_t r = R; r < ((R + 3) & ~int64_t{3}); ++r)
-      for (int d = 0; d < D; ++d) qf[r][d] = 0.f;
     float* acc = scratch + w.scratch;  // [R, D]
     float* mx = acc + R * D;           // [R]
     float* sum = mx + R;               // [R]
@@ -179,10 +286,9 @@ struct Kernel {
       for (int d = 0; d < D; ++d) acc[r * D + d] = 0.f;
     }
     const int64_t t_end = std::min(w.t1, pos[R - 1] + 1);  // rows are in position order
-    alignas(64) float kt[D][kTile];    // K tile transposed (many rows)
-    alignas(64) float krow[kTile][D];  // K tile as rows (few rows)
+    alignas(64) float krow[kTile][D];
     alignas(64) float vrow[kTile][D];
-    alignas(64) float s[kRowBlock + 3][kTile];
+    alignas(64) float s[kFewRows][kTile];
     for (int64_t t0 = w.t0; t0 < t_end; t0 += kTile) {
       const int64_t T = std::min(kTile, t_end - t0);
       int64_t slots[kTile];
@@ -190,40 +296,14 @@ struct Kernel {
         const int64_t t = t0 + j;
         slots[j] = (seq_pages[t >> page_shift] << page_shift) + (t & mask);
       }
-      if (R <= kFewRows) {
-        for (int64_t j = 0; j < T; ++j) load_row(k, k_scale, slots[j], w.head, krow[j]);
-        for (int64_t r = 0; r < R; ++r) {
-          V16 qv[kVecs];
-          for (int c = 0; c < kVecs; ++c) qv[c] = vload(qf[r] + 16 * c);
-          for (int64_t j = 0; j < T; ++j) {
-            V16 dot = vmul(qv[0], vload(krow[j]));
-            for (int c = 1; c < kVecs; ++c) dot = vfma(qv[c], vload(krow[j] + 16 * c), dot);
-            s[r][j] = vsum(dot);
-          }
-        }
-      } else {
+      for (int64_t j = 0; j < T; ++j) load_row(k, k_scale, slots[j], w.head, krow[j]);
+      for (int64_t r = 0; r < R; ++r) {
+        V16 qv[kVecs];
+        for (int c = 0; c < kVecs; ++c) qv[c] = vload(qf[r] + 16 * c);
         for (int64_t j = 0; j < T; ++j) {
-          load_row(k, k_scale, slots[j], w.head, krow[0]);
-          for (int d = 0; d < D; ++d) kt[d][j] = krow[0][d];
-        }
-        for (int64_t j = T; j < kTile; ++j)
-          for (int d = 0; d < D; ++d) kt[d][j] = 0.f;
-        for (int64_t r = 0; r < R; r += 4) {  // four rows share each K load
-          V16 a0 = vset1(0.f), a1 = vset1(0.f), b0 = vset1(0.f), b1 = vset1(0.f);
-          V16 c0 = vset1(0.f), c1 = vset1(0.f), e0 = vset1(0.f), e1 = vset1(0.f);
-          for (int d = 0; d < D; ++d) {
-            const V16 k0 = vload(kt[d]), k1 = vload(kt[d] + 16);
-            const V16 q0 = vset1(qf[r][d]), q1 = vset1(qf[r + 1][d]);
-            const V16 q2 = vset1(qf[r + 2][d]), q3 = vset1(qf[r + 3][d]);
-            a0 = vfma(q0, k0, a0), a1 = vfma(q0, k1, a1);
-            b0 = vfma(q1, k0, b0), b1 = vfma(q1, k1, b1);
-            c0 = vfma(q2, k0, c0), c1 = vfma(q2, k1, c1);
-            e0 = vfma(q3, k0, e0), e1 = vfma(q3, k1, e1);
-          }
-          vstore(s[r], a0), vstore(s[r] + 16, a1);
-          vstore(s[r + 1], b0), vstore(s[r + 1] + 16, b1);
-          vstore(s[r + 2], c0), vstore(s[r + 2] + 16, c1);
-          vstore(s[r + 3], e0), vstore(s[r + 3] + 16, e1);
+          V16 dot = vmul(qv[0], vload(krow[j]));
+          for (int c = 1; c < kVecs; ++c) dot = vfma(qv[c], vload(krow[j] + 16 * c), dot);
+          s[r][j] = vsum(dot);
         }
       }
       for (int64_t j = 0; j < T; ++j) load_row(v, v_scale, slots[j], w.head, vrow[j]);
