@@ -1,6 +1,6 @@
 """Decode speed with kvchat's attention kernel against torch's SDPA, interleaved in one process.
 
-    python benchmarks/attention_ab.py [--contexts 512,3072,6144] [--repeats 3]
+    python benchmarks/attention_ab.py [--contexts 512,3072,6144] [--repeats 3] [--kv int8]
 
 For each context length: a session reads a document of that many tokens and answers
 with 64 tokens; the decode rate is taken after the first token. The two attentions
@@ -28,9 +28,10 @@ def main() -> None:
     parser.add_argument("--contexts", default="512,3072,6144")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--kv", default="native", choices=("native", "int8"), help="KV format")
     args = parser.parse_args()
     model = load_model(args.model)
-    peer = KvchatPeer(model, page_size=256)  # waits for the kernel's build
+    peer = KvchatPeer(model, page_size=256, kv_format=args.kv)  # waits for the kernel's build
     print(f"kernels: {native_build.status().detail}")
     results: dict[tuple[int, str], list[float]] = {}
     for context in (int(c) for c in args.contexts.split(",")):
