@@ -110,14 +110,23 @@ def library_path(compiler: str) -> Path:
 
 
 def build(compiler: str, target: Path) -> None:
-    """Compile the kernels to `target` (atomically: a crash never leaves half a library)."""
+    """Compile the kernels to `target` (atomically: a crash never leaves half a library).
+
+    On glibc, `-ffast-math` may turn a loop of `std::exp` (the portable path) into calls
+    to glibc's vector math library, so it is linked when present; without it (musl),
+    the build is retried without.
+    """
     torch_dir = Path(torch.__file__).parent
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         cmd = [compiler, *_flags(torch_dir), *map(str, SOURCES), "-o", tmp, "-lc10", "-ltorch_cpu"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        extras = [["-lmvec"], []] if sys.platform.startswith("linux") else [[]]
+        for extra in extras:
+            done = subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=900)
+            if done.returncode == 0:
+                break
         if done.returncode != 0:
             raise RuntimeError(done.stderr.strip()[-2000:] or "compiler failed")
         os.replace(tmp, target)
