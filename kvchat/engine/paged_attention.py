@@ -100,11 +100,15 @@ class PagedAttention:
         """Precompute, once per forward, where each new token goes and each context comes from."""
         S = self.page_size
         device = self.k_all.device
+        native = self.uses_native()
         slots: list[int] = []
         views: list[_ContextView] = []
         for n, total, pages in zip(batch.query_lens, batch.context_lens, page_lists, strict=True):
             for pos in range(total - n, total):
                 slots.append(pages[pos // S] * S + pos % S)
+            if native and n == 1:  # the kernel reads it through its pages: no view needed
+                views.append(_ContextView(0, total, None))
+                continue
             used = (total + S - 1) // S
             first = pages[0]
             if all(pages[j] == first + j for j in range(used)):
@@ -121,7 +125,7 @@ class PagedAttention:
         self._decode_mask = None
         self._native = None
         self._native_rows = None
-        if self.uses_native():
+        if native:
             self._prepare_native(batch, page_lists)
         elif batch.is_decode_only and len(views) > 1:
             self._prepare_padded_decode(views)
