@@ -279,3 +279,17 @@ async def test_copy_export_rename_and_sampling(tmp_path, monkeypatch):
         await pilot.press("ctrl+u", *"temperature=0.2 max_tokens=9", "enter")
         await wait_until(pilot, lambda: app.service.session(app.current).max_tokens == 9)
         assert app.service.session(app.current).sampling.temperature == 0.2
+
+
+async def test_the_cache_note_follows_the_backend_as_it_changes(monkeypatch):
+    """The note names the attention in use; the kernel may finish compiling after start."""
+    import kvchat.tui.app as app_module
+
+    monkeypatch.setattr(app_module, "NOTE_EVERY_S", 0.0)
+    note = ["attention: torch SDPA while kvchat's kernel compiles"]
+    app, _engine = fake_app(describe=lambda: note[0])
+    async with app.run_test(size=(160, 45)) as pilot:
+        await ready(pilot, app)
+        await wait_until(pilot, lambda: "compiles" in app.meters.values["cache"], 10)
+        note[0] = "attention: kvchat's CPU kernel"
+        await wait_until(pilot, lambda: "CPU kernel" in app.meters.values["cache"], 10)

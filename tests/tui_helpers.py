@@ -36,6 +36,7 @@ def fake_app(
     store: Store | None = None,
     user_themes_dir: Path | None = None,
     settings_problem: str | None = None,
+    describe: Callable[[], str] | None = None,
     **engine_kwargs: object,
 ) -> tuple[KvchatApp, FakeEngine]:
     """A `KvchatApp` over a `FakeEngine` (returned for `advance()` in manual mode)."""
@@ -47,6 +48,7 @@ def fake_app(
         default_sampling=SamplingParams(),
         default_max_tokens=64,
         description="fake engine",
+        describe=describe,
         close=engine.close,
     )
     app = KvchatApp(

@@ -85,6 +85,7 @@ from kvchat.tui.transcript import Transcript
 FLUSH_HZ = 20
 METERS_HZ = 4
 RESIDENCY_ALL_EVERY_S = 5.0
+NOTE_EVERY_S = 2.0  # the cache note (model, cache sizes, attention) is re-read this often
 NEW_TITLE = "New chat"
 _APP_ACTIONS = frozenset(spec.action.split("(")[0] for spec in APP_KEYS)
 MAX_ATTACH_BYTES = 2_000_000
@@ -314,6 +315,7 @@ class KvchatApp(App[int]):
         self._transcript_lock = asyncio.Lock()
         self._residency_busy = False
         self._residency_all_at = 0.0
+        self._note_at = 0.0
         self._meters_at = 0.0
         self._rows_due: set[str] = set()  # rows to refresh at the next tick
         self._residency_due: dict[str, Residency] = {}  # residencies to show at the next tick
@@ -594,6 +596,10 @@ class KvchatApp(App[int]):
         rate = self.buffer.session_rate(self.current) if self.current else None
         self.meters.update_meters(service.engine.stats(), view, rate)
         now = time.monotonic()
+        backend = self.backend
+        if backend is not None and backend.describe and now - self._note_at > NOTE_EVERY_S:
+            self._note_at = now
+            self.meters.set_cache_note(backend.describe())  # repaints only when it changed
         self._request_residency(all_sessions=now - self._residency_all_at > RESIDENCY_ALL_EVERY_S)
 
     def _request_residency(self, *, all_sessions: bool) -> None:

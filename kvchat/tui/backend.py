@@ -26,6 +26,8 @@ class TuiBackend:
     default_sampling: SamplingParams = field(default_factory=SamplingParams)
     default_max_tokens: int = 512
     description: str = ""  # one line about the model and its cache, shown in the meters
+    # the same line as it is now (the attention kernel may finish compiling after start)
+    describe: Callable[[], str] | None = None
     close: Callable[[], None] = lambda: None  # stops the engine
 
 
@@ -57,14 +59,18 @@ def start_real_backend(
         seed=options.seed,
     )
     chat = ChatBackend(engine, model.renderer, frozenset(model.tokenizer.stop_token_ids))
-    try:
-        description = f"{model.name}: {describe_cache(engine)}"
-    except Exception:  # a line of information must never stop the start
-        description = model.name
+
+    def describe() -> str:
+        try:
+            return f"{model.name}: {describe_cache(engine)}"
+        except Exception:  # a line of information must never stop the start
+            return model.name
+
     return TuiBackend(
         chat=chat,
         default_sampling=sampling,
         default_max_tokens=options.max_tokens or settings.max_tokens,
-        description=description,
+        description=describe(),
+        describe=describe,
         close=engine.close,
     )
