@@ -83,7 +83,7 @@ class PagedAttention:
         self.scale = self.head_dim**-0.5
         self._batch: ForwardBatch | None = None
         self._slots: torch.Tensor | None = None
-        self._views: list[_ContextView] = []
+        self._views: list[_ContextView | None] = []  # None: read by the kernel
         self._decode_index: torch.Tensor | None = None
         self._decode_mask: torch.Tensor | None = None
         self._native: tuple[torch.Tensor, ...] | None = None  # page lists etc. for the kernel
@@ -97,19 +97,37 @@ class PagedAttention:
         )
 
     def prepare(self, batch: ForwardBatch, page_lists: Sequence[Sequence[int]]) -> None:
-        """Precompute, once per forward, where each new token goes and each context comes from."""
+        """Precompute, once per forward, where each new token goes and each context comes from.
+
+        With the kernel loaded, it takes the decodes (one query per sequence), where it
+        reads a long context with every core, through their page lists: they get no
+        context view (None). Prefill chunks stay on torch's flash attention, whose blocked
+        bf16 products beat the kernel's vector loops once a sequence brings many query rows
+        (`benchmarks/attention_layer.py`: 20 new tokens over 6k of context, 1.09 vs 1.84
+        ms a layer).
+        """
         S = self.page_size
         device = self.k_all.device
         native = self.uses_native()
         slots: list[int] = []
-        views: list[_ContextView] = []
+        views: list[_ContextView | None] = []
+        # the kernel's tables: its sequences' used pages back to back, their offsets,
+        # context lengths, and their rows among the batch's tokens
+        native_pages: list[int] = []
+        native_starts = [0]
+        native_contexts: list[int] = []
+        native_rows: list[int] = []
         for n, total, pages in zip(batch.query_lens, batch.context_lens, page_lists, strict=True):
             for pos in range(total - n, total):
                 slots.append(pages[pos // S] * S + pos % S)
-            if native and n == 1:  # the kernel reads it through its pages: no view needed
-                views.append(_ContextView(0, total, None))
-                continue
             used = (total + S - 1) // S
+            if native and n == 1:
+                native_rows.append(len(slots) - 1)
+                native_pages.extend(pages[:used])
+                native_starts.append(len(native_pages))
+                native_contexts.append(total)
+                views.append(None)
+                continue
             first = pages[0]
             if all(pages[j] == first + j for j in range(used)):
                 views.append(_ContextView(first * S, total, None))
@@ -125,45 +143,17 @@ class PagedAttention:
         self._decode_mask = None
         self._native = None
         self._native_rows = None
-        if native:
-            self._prepare_native(batch, page_lists)
+        if native_rows:
+            self._native = (
+                torch.tensor(native_pages, dtype=torch.long),
+                torch.tensor(native_starts, dtype=torch.long),
+                torch.arange(len(native_rows) + 1, dtype=torch.long),
+                torch.tensor(native_contexts, dtype=torch.long),
+            )
+            if len(native_rows) < batch.num_tokens:  # mixed: the decodes among the chunks
+                self._native_rows = torch.tensor(native_rows, dtype=torch.long)
         elif batch.is_decode_only and len(views) > 1:
-            self._prepare_padded_decode(views)
-
-    def _prepare_native(self, batch: ForwardBatch, page_lists: Sequence[Sequence[int]]) -> None:
-        """The kernel's view of the batch's decodes: used pages back to back, and offsets.
-
-        The kernel takes the decode tokens (one query per sequence), where it reads a long
-        context with every core. Prefill chunks stay on torch's flash attention, whose
-        blocked bf16 products beat the kernel's vector loops once a sequence brings many
-        query rows (`benchmarks/attention_layer.py`: 20 new tokens over 6k of context,
-        1.09 vs 1.84 ms a layer).
-        """
-        S = self.page_size
-        pages: list[int] = []
-        page_starts = [0]
-        contexts: list[int] = []
-        rows: list[int] = []
-        flat = 0
-        for n, total, page_list in zip(
-            batch.query_lens, batch.context_lens, page_lists, strict=True
-        ):
-            if n == 1:
-                pages.extend(page_list[: (total + S - 1) // S])
-                page_starts.append(len(pages))
-                contexts.append(total)
-                rows.append(flat)
-            flat += n
-        if not rows:
-            return
-        self._native = (
-            torch.tensor(pages, dtype=torch.long),
-            torch.tensor(page_starts, dtype=torch.long),
-            torch.arange(len(rows) + 1, dtype=torch.long),
-            torch.tensor(contexts, dtype=torch.long),
-        )
-        if len(rows) < batch.num_tokens:  # a mixed step: the decodes' rows among the chunks'
-            self._native_rows = torch.tensor(rows, dtype=torch.long)
+            self._prepare_padded_decode(views)  # type: ignore[arg-type]  # all views set
 
     def _native_decode(self, q: torch.Tensor, k_flat: _FlatKV, v_flat: _FlatKV) -> torch.Tensor:
         assert self._native is not None
@@ -282,8 +272,10 @@ class PagedAttention:
         if self._decode_index is not None:
             return self._decode_padded(q, k_flat, v_flat)
         # a batch of one: the context is a slice or one gather
-        keys = self._context(k_flat, self._views[0])  # [L, Hkv, D]
-        values = self._context(v_flat, self._views[0])
+        view = self._views[0]
+        assert view is not None
+        keys = self._context(k_flat, view)  # [L, Hkv, D]
+        values = self._context(v_flat, view)
         if keys.shape[0] >= SPLIT_DECODE_FROM and q.device.type == "cpu":
             return self._decode_split(q, keys, values)
         return self._grouped_sdpa(q, keys.unsqueeze(0), values.unsqueeze(0), None)
@@ -349,13 +341,12 @@ class PagedAttention:
         """
         assert self._batch is not None
         out = torch.empty_like(q)
-        native = self._native_rows is not None
-        if native:
+        if self._native_rows is not None:
             out[self._native_rows] = self._native_decode(q[self._native_rows], k_flat, v_flat)
         start = 0
         for i, (n, view) in enumerate(zip(self._batch.query_lens, self._views, strict=True)):
-            if native and n == 1:
-                start += 1
+            if view is None:  # a decode the kernel computed above
+                start += n
                 continue
             qs = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             ks = self._context(k_flat, view).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
