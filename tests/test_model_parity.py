@@ -53,8 +53,14 @@ def kvchat_logits(model, ids: list[int], *, paged: bool, page_size: int = 16) ->
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "llama3"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_tiny_model_logits_match_transformers_fp32(tmp_path, family, paged):
+@pytest.mark.parametrize("small_ops", ["kvchat kernels", "torch"])
+def test_tiny_model_logits_match_transformers_fp32(tmp_path, monkeypatch, family, paged, small_ops):
+    """Both implementations of the layers' small ops (`decoder_ops`): the fused kernels
+    where they are loaded, torch where they are not (CUDA, no compiler)."""
     from tests.tiny_models import write_tiny_model
+
+    if small_ops == "torch":
+        monkeypatch.setattr("kvchat.model.decoder_ops._native", lambda x: False)
 
     folder = write_tiny_model(tmp_path / family, family)
     model = load_model(str(folder), dtype="float32", device="cpu")

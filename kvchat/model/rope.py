@@ -2,7 +2,7 @@
 
 The cos/sin table is built once in float32 (like transformers) and cast to the
 activation dtype; a forward gathers the rows of its positions once and every
-layer reuses them.
+layer reuses them (`decoder_ops.rotate_` applies them).
 """
 
 from __future__ import annotations
@@ -55,14 +55,5 @@ class RotaryTable:
         self.sin = signed.to(dtype=dtype, device=device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin shaped [T, 1, D] for broadcasting over heads."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D] rotated by position, in the half-split layout of transformers' rotate_half.
-
-    `signed_sin` carries rotate_half's minus sign, so the rotation is three ops
-    (roll, mul, addcmul) instead of five; the result equals it up to rounding.
-    """
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+        """cos and signed sin of each position, [T, D] (`decoder_ops.rotate_` applies them)."""
+        return self.cos[positions], self.sin[positions]

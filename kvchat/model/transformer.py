@@ -2,9 +2,11 @@
 
 Written to be checked against the paper and transformers' LlamaModel line by line;
 the differences are for speed only: q/k/v and gate/up are fused into one matmul
-each, rotary cos/sin are gathered once per forward, and logits are computed only
-for the positions the caller asks for. Norms follow transformers exactly (float32
-variance, cast back before the weight) so logits match within the dtype's tolerance.
+each, rotary cos/sin are gathered once per forward, the small ops between the
+matmuls run fused where kvchat's kernels are loaded (`decoder_ops`), and logits
+are computed only for the positions the caller asks for. Norms follow transformers
+exactly (float32 variance, cast back before the weight) so logits match within the
+dtype's tolerance.
 """
 
 from __future__ import annotations
@@ -17,19 +19,9 @@ import torch.nn.functional as F
 from kvchat.errors import ModelLoadError
 from kvchat.model.batch import Attention, ForwardBatch
 from kvchat.model.config import ModelConfig
+from kvchat.model.decoder_ops import add_rms_norm, rotate_, silu_mul
 from kvchat.model.linear import DenseLinear, Linear
-from kvchat.model.rope import RotaryTable, apply_rotary
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: float32 statistics, the scale applied in the input dtype.
-
-    The sum of squares comes from one `vector_norm` reduction in float32: on CPU
-    `F.rms_norm` decomposes into more (and slower) ops than this for a decode step.
-    """
-    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # [T, 1]
-    inv = torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(eps))
-    return weight * (x.float() * inv).to(x.dtype)
+from kvchat.model.rope import RotaryTable
 
 
 class Layer:
@@ -54,25 +46,25 @@ class Layer:
     def forward(
         self,
         index: int,
-        h: torch.Tensor,  # [T, hidden]
+        h: torch.Tensor,  # [T, hidden]: the residual stream
+        pending: torch.Tensor | None,  # [T, hidden]: the previous layer's MLP output, not yet added
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention: Attention,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, this layer's MLP output): the caller adds the latter, fused
+        with the next norm (`add_rms_norm`), so no layer pays a separate add."""
         c = self.config
-        x = rms_norm(h, self.input_norm, c.rms_norm_eps)
+        h, x = add_rms_norm(h, pending, self.input_norm, c.rms_norm_eps)
         qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
         t = qkv.shape[0]
-        qk = qkv[:, : c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim)
-        qk = apply_rotary(qk, cos, sin)  # q and k rotated in one op
-        q = qk[:, : c.num_heads]  # [T, Hq, D]
-        k = qk[:, c.num_heads :]  # [T, Hkv, D]
+        rotate_(qkv, cos, sin, c.num_heads + c.num_kv_heads)  # q and k, in place, in one op
+        q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
+        k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
         attn = attention(index, q, k, v)  # [T, Hq, D]
-        h = h + self.o(attn.reshape(t, c.q_size))
-        x = rms_norm(h, self.post_norm, c.rms_norm_eps)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, I] each
-        return h + self.down(F.silu(gate) * up)
+        h, x = add_rms_norm(h, self.o(attn.reshape(t, c.q_size)), self.post_norm, c.rms_norm_eps)
+        return h, self.down(silu_mul(self.gate_up(x)))
 
 
 class Transformer:
@@ -117,10 +109,11 @@ class Transformer:
         """Logits [N, vocab] in float32 for `batch.logits_indices`."""
         h = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         cos, sin = self.rotary.lookup(batch.positions)
+        pending = None
         for i, layer in enumerate(self.layers):
-            h = layer.forward(i, h, cos, sin, attention)
-        h = h[batch.logits_indices]  # [N, hidden]: the LM head only where logits are needed
-        h = rms_norm(h, self.norm, self.config.rms_norm_eps)
+            h, pending = layer.forward(i, h, pending, cos, sin, attention)
+        rows = batch.logits_indices  # the LM head only where logits are needed
+        _, h = add_rms_norm(h[rows], pending[rows], self.norm, self.config.rms_norm_eps)
         return self.lm_head(h).float()  # [N, vocab]
 
 

@@ -1,7 +1,9 @@
 """kvchat's CPU kernels: compiled once on this machine, loaded into torch as `torch.ops.kvchat`.
 
-One kernel lives here today: paged attention for decode steps (`paged_attention.cpp`,
-whose header says why torch's own leaves cores and bandwidth unused there). A 4-bit
+Two sources live here: paged attention for decode steps (`paged_attention.cpp`, whose
+header says why torch's own leaves cores and bandwidth unused there), and a decoder
+layer's small ops fused (`decoder_ops.cpp`: residual add + RMSNorm, rotary, SiLU * up),
+which cut a decode step's op dispatches by two thirds. A 4-bit
 matrix-vector kernel (AVX-512 VNNI, int16 activations) was built and measured next to
 it: 1.6-1.8x torch's int4 kernel per matrix in isolation, but no faster in a real
 decode step, which streams the same bytes either way; so it was not kept.
@@ -37,7 +39,7 @@ from kvchat.paths import app_paths
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "paged_attention.cpp",)
+SOURCES = tuple(Path(__file__).parent / name for name in ("paged_attention.cpp", "decoder_ops.cpp"))
 LIBRARY_NAME = "kvchat_kernels.so"
 DISABLE_ENV = "KVCHAT_NATIVE_KERNELS"
 

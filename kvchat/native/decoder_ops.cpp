@@ -1,0 +1,279 @@
+// The small ops of a decoder layer, fused: residual add + RMSNorm, rotary, SiLU(gate) * up.
+//
+// Why: a decode step works on a handful of rows of 576 to 1,536 numbers, where a torch
+// op's dispatch from Python (a few microseconds) costs more than its arithmetic, and
+// the unfused layer runs about forty of them (an RMSNorm alone is nine). Fused, a
+// layer's small ops are four calls. Each op rounds to the activation dtype exactly
+// where torch's unfused sequence does (after every op), so results match torch's to
+// the last bit in nearly every element and transformers' within the usual tolerance
+// (tests/test_decoder_ops.py checks both).
+//
+// Rows are independent: long inputs (prefill) are split over torch's thread pool by
+// rows, short ones (decode) run on the calling thread. The loops are plain scalar
+// code written so that -O3 -march=native -ffast-math vectorizes them (bf16 rounding
+// is integer arithmetic; exp comes from the vector math library).
+// Compiled with paged_attention.cpp by kvchat/native/build.py.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include <sleef.h>  // torch's own vector exp (libtorch_cpu exports it): SiLU as torch rounds it
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+namespace {
+
+constexpr int64_t kSerialElements = 32768;  // below this many elements a call stays on one thread
+constexpr int64_t kMaxHeadDim = 256;
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline T narrow(float x);
+template <>
+inline float narrow<float>(float x) {
+  return x;
+}
+template <>
+inline c10::BFloat16 narrow<c10::BFloat16>(float x) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  c10::BFloat16 out;
+  out.x = static_cast<uint16_t>(bits >> 16);
+  return out;
+}
+
+// x as torch would hold it after an op in dtype T: rounded to T, read back as float.
+template <typename T>
+inline float rounded(float x) {
+  return widen(narrow<T>(x));
+}
+
+template <typename F>
+void for_rows(int64_t rows, int64_t width, const F& body) {
+  const int64_t grain = std::max<int64_t>(1, kSerialElements / std::max<int64_t>(width, 1));
+  if (rows <= grain) {
+    body(0, rows);
+  } else {
+    at::parallel_for(0, rows, grain, body);
+  }
+}
+
+// transformers' LlamaRMSNorm: float32 statistics, x * inv rounded to the dtype, then
+// times the weight in the dtype.
+template <typename T>
+void norm_row(const T* x, const T* weight, T* out, int64_t width, float eps) {
+  float squares = 0.f;
+  for (int64_t i = 0; i < width; ++i) {
+    const float v = widen(x[i]);
+    squares += v * v;
+  }
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
+  for (int64_t i = 0; i < width; ++i) {
+    out[i] = narrow<T>(widen(weight[i]) * rounded<T>(widen(x[i]) * inv));
+  }
+}
+
+template <typename T>
+void rms_norm_kernel(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const int64_t width = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  for_rows(x.size(0), width, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      norm_row(xp + r * width, wp, op + r * width, width, static_cast<float>(eps));
+    }
+  });
+}
+
+template <typename T>
+void add_rms_norm_kernel(const at::Tensor& h, const at::Tensor& delta, const at::Tensor& weight,
+                         double eps, at::Tensor& sum, at::Tensor& out) {
+  const int64_t width = h.size(1);
+  const T* hp = h.data_ptr<T>();
+  const T* dp = delta.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* sp = sum.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  for_rows(h.size(0), width, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t base = r * width;
+      for (int64_t i = 0; i < width; ++i) {
+        sp[base + i] = narrow<T>(widen(hp[base + i]) + widen(dp[base + i]));
+      }
+      norm_row(sp + base, wp, op + base, width, static_cast<float>(eps));
+    }
+  });
+}
+
+// rotate_half rotary in place on the first `heads` heads of each row: x * cos rounded,
+// then + roll(x, D/2) * signed_sin in one rounding (torch's mul, then addcmul).
+template <typename T>
+void rotary_kernel(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  const int64_t dim = cos.size(1);
+  const int64_t half = dim / 2;
+  const int64_t stride = x.stride(0);
+  T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  for_rows(x.size(0), heads * dim, [&](int64_t begin, int64_t end) {
+    float buf[kMaxHeadDim];
+    for (int64_t r = begin; r < end; ++r) {
+      const T* c = cp + r * dim;
+      const T* s = sp + r * dim;
+      for (int64_t head = 0; head < heads; ++head) {
+        T* p = xp + r * stride + head * dim;
+        for (int64_t j = 0; j < dim; ++j) buf[j] = widen(p[j]);
+        for (int64_t j = 0; j < half; ++j) {
+          p[j] = narrow<T>(rounded<T>(buf[j] * widen(c[j])) + buf[j + half] * widen(s[j]));
+        }
+        for (int64_t j = half; j < dim; ++j) {
+          p[j] = narrow<T>(rounded<T>(buf[j] * widen(c[j])) + buf[j - half] * widen(s[j]));
+        }
+      }
+    }
+  });
+}
+
+// silu(gate) rounded, times up rounded: torch's F.silu then *. With AVX-512 the exp is
+// torch's own (Sleef, 1 ulp), so the result is torch's bit for bit; elsewhere std::exp.
+inline float silu(float g) { return g / (1.f + std::exp(std::min(-g, 88.f))); }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+template <typename T>
+void silu_mul_row(const T* gate, const T* up, T* out, int64_t width) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  alignas(64) float s[16];
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (; j + 16 <= width; j += 16) {
+    const __m512 g = load16(gate + j);
+    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    _mm512_store_ps(s, _mm512_div_ps(g, _mm512_add_ps(one, e)));
+    for (int i = 0; i < 16; ++i) out[j + i] = narrow<T>(rounded<T>(s[i]) * widen(up[j + i]));
+  }
+#endif
+  for (; j < width; ++j) out[j] = narrow<T>(rounded<T>(silu(widen(gate[j]))) * widen(up[j]));
+}
+
+template <typename T>
+void silu_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t width = out.size(1);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  for_rows(out.size(0), width, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = gp + r * 2 * width;
+      silu_mul_row(gate, gate + width, op + r * width, width);
+    }
+  });
+}
+
+template <typename F>
+void dispatch_dtype(const at::Tensor& x, const char* op, const F& body) {
+  if (x.scalar_type() == at::kBFloat16) {
+    body(c10::BFloat16{});
+  } else if (x.scalar_type() == at::kFloat) {
+    body(float{});
+  } else {
+    TORCH_CHECK(false, "kvchat ", op, ": dtype ", x.scalar_type(), " is not compiled");
+  }
+}
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), name, ": a contiguous [rows, width] tensor");
+}
+
+void check_weight(const at::Tensor& weight, const at::Tensor& x) {
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1) &&
+                  weight.scalar_type() == x.scalar_type(),
+              "norm weight: contiguous [width], in the input's dtype");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm input");
+  check_weight(weight, x);
+  at::Tensor out = at::empty_like(x);
+  dispatch_dtype(x, "rms_norm", [&](auto t) {
+    rms_norm_kernel<decltype(t)>(x, weight, eps, out);
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& delta,
+                                                const at::Tensor& weight, double eps) {
+  check_rows(h, "add_rms_norm input");
+  check_rows(delta, "add_rms_norm delta");
+  TORCH_CHECK(delta.sizes() == h.sizes() && delta.scalar_type() == h.scalar_type(),
+              "add_rms_norm: delta shaped and typed like the input");
+  check_weight(weight, h);
+  at::Tensor sum = at::empty_like(h);
+  at::Tensor out = at::empty_like(h);
+  dispatch_dtype(h, "add_rms_norm", [&](auto t) {
+    add_rms_norm_kernel<decltype(t)>(h, delta, weight, eps, sum, out);
+  });
+  return {sum, out};
+}
+
+void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  check_rows(cos, "rotary cos");
+  check_rows(sin, "rotary sin");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rotary input: [rows, width], rows dense");
+  const int64_t dim = cos.size(1);
+  TORCH_CHECK(dim % 2 == 0 && dim <= kMaxHeadDim, "rotary: even head size up to ", kMaxHeadDim);
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
+                  heads * dim <= x.size(1),
+              "rotary: cos/sin [rows, head_dim], heads within the row");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rotary: cos/sin in the input's dtype");
+  dispatch_dtype(x, "rotary", [&](auto t) { rotary_kernel<decltype(t)>(x, cos, sin, heads); });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_mul input");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: [rows, 2 * width]");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  dispatch_dtype(gate_up, "silu_mul", [&](auto t) { silu_mul_kernel<decltype(t)>(gate_up, out); });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvchat, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor h, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin, int heads) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvchat, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("add_rms_norm", add_rms_norm);
+  m.impl("rotary_", rotary_);
+  m.impl("silu_mul", silu_mul);
+}
