@@ -121,6 +121,38 @@ def test_kernel_matches_float64_reference(case, head_dim, dtype, kv_int8) -> Non
 
 
 @pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_stores_new_kv_and_reads_q_from_the_fused_projection(dtype) -> None:
+    """A decode step hands the kernel views of the fused qkv rows: it stores each new
+    token's K/V at its slot, then attends, as the separate copy and a contiguous q would."""
+    query_lens, context_lens = (1, 1), (40, 300)
+    page_size, hkv, group, dim = 16, 2, 3, 64
+    _, k, v, _, _, page_lists = _case(3, dtype, dim, page_size, query_lens, context_lens)
+    slots = torch.tensor(
+        [
+            pl[(c - 1) // page_size] * page_size + (c - 1) % page_size
+            for pl, c in zip(page_lists, context_lens, strict=True)
+        ]
+    )
+    g = torch.Generator().manual_seed(9)
+    qkv = torch.randn(2, (hkv * group + 2 * hkv) * dim, generator=g).to(dtype)  # fused rows
+    q_view = qkv[:, : hkv * group * dim].view(2, hkv * group, dim)
+    k_new = qkv[:, hkv * group * dim : (hkv * group + hkv) * dim].view(2, hkv, dim)
+    v_new = qkv[:, (hkv * group + hkv) * dim :].view(2, hkv, dim)
+    tables = _tables(page_lists, query_lens, context_lens)
+    k_copy, v_copy = k.clone(), v.clone()
+    k_copy[slots], v_copy[slots] = k_new, v_new
+    expected = native_attention.paged_attention(
+        q_view.contiguous(), k_copy, v_copy, None, None, *tables, page_size, dim**-0.5
+    )
+    out = native_attention.paged_attention(
+        q_view, k, v, None, None, *tables, page_size, dim**-0.5, new_kv=(k_new, v_new, slots)
+    )
+    assert torch.equal(k, k_copy) and torch.equal(v, v_copy)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.usefixtures("kernel")
 def test_a_sequence_gets_the_same_bits_whatever_it_is_batched_with() -> None:
     """Work is split by each sequence's own lengths, never the batch's: greedy and seeded
     sampling stay reproducible whatever else is running."""

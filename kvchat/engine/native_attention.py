@@ -34,6 +34,7 @@ def paged_attention(
     ctx_lens: torch.Tensor,
     page_size: int,
     scale: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of every sequence's new tokens over its paged context.
 
@@ -41,8 +42,26 @@ def paged_attention(
     offsets); k/v `[slots, Hkv, D]` one layer's store with slot = page * page_size +
     offset (int8 with per-slot, per-head scales `[slots, Hkv]`); sequence b's pages
     are `pages[page_starts[b]:page_starts[b+1]]`, its context `ctx_lens[b]` tokens,
-    the last of them its new tokens.
+    the last of them its new tokens. q may be strided by token and head (a view of the
+    fused qkv projection), as long as each head's D values are contiguous.
+
+    `new_kv` (k_new, v_new, slots), for bf16/fp32 stores: the new tokens' K/V `[T, Hkv,
+    D]` (each token's values contiguous), stored at `slots` before attending.
     """
+    k_new, v_new, slots = new_kv if new_kv is not None else (None, None, None)
     return torch.ops.kvchat.paged_attention(
-        q, k, v, k_scale, v_scale, pages, page_starts, q_starts, ctx_lens, page_size, scale
+        q,
+        k,
+        v,
+        k_scale,
+        v_scale,
+        pages,
+        page_starts,
+        q_starts,
+        ctx_lens,
+        page_size,
+        scale,
+        k_new,
+        v_new,
+        slots,
     )

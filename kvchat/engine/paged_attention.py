@@ -155,10 +155,16 @@ class PagedAttention:
         elif batch.is_decode_only and len(views) > 1:
             self._prepare_padded_decode(views)  # type: ignore[arg-type]  # all views set
 
-    def _native_decode(self, q: torch.Tensor, k_flat: _FlatKV, v_flat: _FlatKV) -> torch.Tensor:
+    def _native_decode(
+        self,
+        q: torch.Tensor,
+        k_flat: _FlatKV,
+        v_flat: _FlatKV,
+        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         assert self._native is not None
         return native_attention.paged_attention(
-            q.contiguous(),
+            q if q.stride(-1) == 1 else q.contiguous(),
             k_flat.data,
             v_flat.data,
             k_flat.scale,
@@ -166,6 +172,7 @@ class PagedAttention:
             *self._native,
             self.page_size,
             self.scale,
+            new_kv,
         )
 
     def _prepare_padded_decode(self, views: list[_ContextView]) -> None:
@@ -249,10 +256,13 @@ class PagedAttention:
     ) -> torch.Tensor:
         assert self._batch is not None and self._slots is not None, "prepare() first"
         k_flat, v_flat = self._layers[layer]
+        decode_only_native = self._native is not None and self._native_rows is None
+        if decode_only_native and k_flat.scale is None and _kernel_can_store(k_flat, k, v):
+            return self._native_decode(q, k_flat, v_flat, (k, v, self._slots))  # writes too
         self._write(k_flat, k)
         self._write(v_flat, v)
-        if self._native is not None and self._native_rows is None:
-            return self._native_decode(q, k_flat, v_flat)  # decode-only
+        if decode_only_native:
+            return self._native_decode(q, k_flat, v_flat)
         if self._batch.is_decode_only:
             return self._decode(q, k_flat, v_flat)
         return self._prefill(q, k_flat, v_flat)
@@ -382,3 +392,12 @@ class PagedAttention:
         rows = q.view(n, Hkv, group, D).permute(1, 0, 2, 3).reshape(1, Hkv, n * group, D)
         o = F.scaled_dot_product_attention(rows, ks, vs, attn_mask=mask)  # [1, Hkv, n*g, D]
         return o.view(Hkv, n, group, D).permute(1, 0, 2, 3).reshape(n, Hq, D)
+
+
+def _kernel_can_store(store: _FlatKV, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the kernel's copy can store these new K/V: the store's dtype, and each
+    token's values `[Hkv, D]` contiguous."""
+    return all(
+        x.dtype == store.data.dtype and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+        for x in (k, v)
+    )

@@ -20,11 +20,13 @@
 // Arithmetic is on 16 floats at a time: AVX-512 intrinsics where the compiler targets
 // them (-march=native), plain loops for it to vectorize elsewhere. No infinity is ever
 // produced (-ffast-math assumes none): masked scores are excluded by bounds, not -inf.
+// A decode step's new K/V can come with the call: they are stored at their slots
+// first (a copy, bf16/fp32 stores), which saves the caller four ops a layer.
 // Compiled on first use by kvchat/native/build.py.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #if defined(__AVX512F__)
@@ -136,7 +138,8 @@ struct Kernel {
   static_assert(D % 16 == 0, "head_dim must be a multiple of 16");
   static constexpr int kVecs = D / 16;
 
-  const QT* q;                  // [T, Hq, D]
+  const QT* q;                  // [T, Hq, D], rows and heads strided (a view of fused qkv)
+  int64_t q_row_stride, q_head_stride;
   const KT* k;                  // [slots, Hkv, D]
   const KT* v;
   const QT* k_scale = nullptr;  // int8 only: one scale per slot and kv head [slots, Hkv]
@@ -180,7 +183,7 @@ struct Kernel {
       const int64_t row = w.row0 + r0 + i;
       const int64_t tok = row / group;
       const int64_t head_q = w.head * group + row % group;
-      const QT* src = q + ((q_starts[w.seq] + tok) * hq + head_q) * D;
+      const QT* src = q + (q_starts[w.seq] + tok) * q_row_stride + head_q * q_head_stride;
       for (int d = 0; d < D; ++d) qt[d][i] = scalar_float(src[d]) * scale;
       last_pos = L - n + tok;
       posf[i] = static_cast<float>(last_pos);
@@ -273,7 +276,7 @@ struct Kernel {
       const int64_t row = w.row0 + r;
       const int64_t tok = row / group;
       const int64_t head_q = w.head * group + row % group;
-      const QT* src = q + ((q_starts[w.seq] + tok) * hq + head_q) * D;
+      const QT* src = q + (q_starts[w.seq] + tok) * q_row_stride + head_q * q_head_stride;
       for (int d = 0; d < D; ++d) qf[r][d] = scalar_float(src[d]) * scale;
       pos[r] = L - n + tok;
     }
@@ -347,6 +350,8 @@ void attend_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   const int64_t group = hq / hkv;
   Kernel<QT, KT, D> kern;
   kern.q = q.data_ptr<QT>();
+  kern.q_row_stride = q.stride(0);
+  kern.q_head_stride = q.stride(1);
   kern.k = reinterpret_cast<const KT*>(k.data_ptr());
   kern.v = reinterpret_cast<const KT*>(v.data_ptr());
   if (k_scale.defined()) {
@@ -458,19 +463,52 @@ void dispatch_dim(int64_t D, const at::Tensor& q, const at::Tensor& k, const at:
   }
 }
 
+// New tokens' K/V rows [T, Hkv, D] (each token's Hkv * D values contiguous, tokens
+// strided: views of the fused qkv projection) copied to their slots of the store.
+void write_new_kv(const at::Tensor& store, const at::Tensor& rows, const at::Tensor& slots) {
+  TORCH_CHECK(rows.dim() == 3 && rows.size(1) == store.size(1) && rows.size(2) == store.size(2) &&
+                  rows.stride(2) == 1 && rows.stride(1) == rows.size(2),
+              "new K/V: [T, Hkv, D], each token's values contiguous");
+  TORCH_CHECK(rows.scalar_type() == store.scalar_type(), "new K/V in the store's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 &&
+                  slots.size(0) == rows.size(0),
+              "slots: int64 [T]");
+  const int64_t width = store.size(1) * store.size(2);
+  const int64_t bytes = width * store.element_size();
+  const int64_t slot_count = store.size(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  char* dst = static_cast<char*>(store.data_ptr());
+  const char* src = static_cast<const char*>(rows.data_ptr());
+  const int64_t src_stride = rows.stride(0) * rows.element_size();
+  for (int64_t i = 0; i < rows.size(0); ++i) {
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < slot_count, "slot out of range");
+    std::memcpy(dst + slot[i] * bytes, src + i * src_stride, static_cast<size_t>(bytes));
+  }
+}
+
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const std::optional<at::Tensor>& k_scale,
                   const std::optional<at::Tensor>& v_scale, const at::Tensor& pages,
                   const at::Tensor& page_starts, const at::Tensor& q_starts,
-                  const at::Tensor& ctx_lens, int64_t page_size, double scale) {
+                  const at::Tensor& ctx_lens, int64_t page_size, double scale,
+                  const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+                  const std::optional<at::Tensor>& new_slots) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [T,Hq,D], k/v [slots,Hkv,D]");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(q.stride(2) == 1 && k.is_contiguous() && v.is_contiguous(),
+              "q's head dimension and the K/V store contiguous");
   TORCH_CHECK(q.size(1) % k.size(1) == 0, "query heads must be a multiple of kv heads");
   TORCH_CHECK(pages.scalar_type() == at::kLong && page_starts.scalar_type() == at::kLong &&
                   q_starts.scalar_type() == at::kLong && ctx_lens.scalar_type() == at::kLong,
               "index tensors must be int64");
+  if (k_new.has_value() || v_new.has_value()) {  // the new tokens' K/V first: they attend to it
+    TORCH_CHECK(k_new.has_value() && v_new.has_value() && new_slots.has_value(),
+                "new K and V come together, with their slots");
+    TORCH_CHECK(k.scalar_type() != at::kChar, "int8 K/V are quantized by the caller");
+    write_new_kv(k, *k_new, *new_slots);
+    write_new_kv(v, *v_new, *new_slots);
+  }
   const int64_t D = q.size(2);
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty(q.sizes(), q.options());  // contiguous whatever q's strides
   const bool int8_kv = k.scalar_type() == at::kChar;
   at::Tensor ks, vs;
   if (int8_kv) {
@@ -508,9 +546,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 TORCH_LIBRARY(kvchat, m) {
   m.def(
-      "paged_attention(Tensor q, Tensor k, Tensor v, Tensor? k_scale, Tensor? v_scale, "
+      "paged_attention(Tensor q, Tensor(a!) k, Tensor(b!) v, Tensor? k_scale, Tensor? v_scale, "
       "Tensor pages, Tensor page_starts, Tensor q_starts, Tensor ctx_lens, int page_size, "
-      "float scale) -> Tensor");
+      "float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? new_slots=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvchat, CPU, m) { m.impl("paged_attention", attend); }
