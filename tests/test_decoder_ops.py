@@ -100,6 +100,17 @@ def test_silu_mul_equals_torch(kernels, rows, dtype):
         torch.testing.assert_close(ours, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_of_large_gates_is_finite(kernels, dtype):
+    """Gates far below zero make exp overflow; the result must still be ~0, never NaN
+    (a tiny random GGUF model met this: NaN logits)."""
+    gate_up = _randn(4, 2 * 128, dtype=dtype, seed=17, scale=1000.0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    ours = decoder_ops.silu_mul(gate_up)
+    assert bool(ours.isfinite().all())
+    torch.testing.assert_close(ours.float(), (F.silu(gate) * up).float(), rtol=1e-2, atol=1e-30)
+
+
 @pytest.mark.parametrize("op", ["rms_norm", "rotary", "silu_mul"])
 def test_rows_split_over_threads_equal_rows_one_by_one(kernels, op):
     """Each row's result is its own: a long prefill computes what a decode would."""

@@ -122,6 +122,12 @@ def idle_rows(screen: str) -> int:
     return screen.count(" idle ")
 
 
+def replies_done(screen: str, sessions: int) -> bool:
+    """Every session idle and no reply on screen still being written (wait for the reply
+    to start first: before the app takes the message, its session is idle too)."""
+    return idle_rows(screen) == sessions and "writing…" not in screen
+
+
 def test_type_stream_switch_quit_and_restore(tmp_path, tiny_llama_dir, terminals):
     home = tmp_path / "home"
     term = terminals(home, tiny_llama_dir, "--max-tokens", "600")
@@ -130,7 +136,7 @@ def test_type_stream_switch_quit_and_restore(tmp_path, tiny_llama_dir, terminals
     streaming = term.wait(lambda s: "decoding" in s or "Assistant" in s, "the reply starting")
     screens = [streaming]
     done = term.wait(
-        lambda s: screens.append(s) is None and "Assistant" in s and idle_rows(s) == 1,
+        lambda s: screens.append(s) is None and "Assistant" in s and replies_done(s, 1),
         "the first reply to end",
     )
     assert "hello there" in done
@@ -139,7 +145,8 @@ def test_type_stream_switch_quit_and_restore(tmp_path, tiny_llama_dir, terminals
     term.keys("C-n")
     term.wait_text("Type a message below")
     term.type("second chat")
-    term.wait(lambda s: "second chat" in s and idle_rows(s) == 2, "the second reply to end")
+    term.wait(lambda s: "Assistant" in s, "the second reply starting")  # not just typed
+    term.wait(lambda s: "second chat" in s and replies_done(s, 2), "the second reply to end")
     term.keys("M-Down")  # alt+down: the next (older) session
     term.wait(lambda s: "╭─ hello there ─" in s, "switch to the first session")
     term.keys("C-PPage")  # ctrl+pageup: back to the newer one

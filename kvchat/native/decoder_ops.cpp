@@ -155,6 +155,8 @@ void rotary_kernel(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, 
 
 // silu(gate) rounded, times up rounded: torch's F.silu then *. With AVX-512 the exp is
 // torch's own (Sleef, 1 ulp), so the result is torch's bit for bit; elsewhere std::exp.
+// exp's argument is capped at 88 so no infinity is made: -ffast-math may divide by way
+// of a refined reciprocal, which turns 1 / inf into NaN (silu(-100) is then -6e-37, not -0).
 inline float silu(float g) { return g / (1.f + std::exp(std::min(-g, 88.f))); }
 
 #if defined(__AVX512F__)
@@ -170,10 +172,10 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t width) {
   int64_t j = 0;
 #if defined(__AVX512F__)
   alignas(64) float s[16];
-  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 one = _mm512_set1_ps(1.f), cap = _mm512_set1_ps(88.f);
   for (; j + 16 <= width; j += 16) {
     const __m512 g = load16(gate + j);
-    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 e = Sleef_expf16_u10(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), cap));
     _mm512_store_ps(s, _mm512_div_ps(g, _mm512_add_ps(one, e)));
     for (int i = 0; i < 16; ++i) out[j + i] = narrow<T>(rounded<T>(s[i]) * widen(up[j + i]));
   }
