@@ -22,6 +22,7 @@ from kvchat.engine.kv_store import DeviceKVStore
 from kvchat.engine.paged_attention import PagedAttention
 from kvchat.model.batch import ForwardBatch
 from kvchat.model.loader import load_model
+from kvchat.native import build
 
 N_TOKENS = 2000
 CHUNK = 256
@@ -62,6 +63,8 @@ def perplexity(model, ids: list[int], kv_format: str) -> float:
 
 
 def main() -> None:
+    build.request(wait=True)  # the small ops and attention users get once the kernels load
+    print(f"kvchat's kernels: {build.status().detail}\n")
     rows = []
     for weights in ("bf16", "native"):
         model = load_model(None, dtype="bfloat16", weights=weights)
