@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from kvchat.model import huge_pages
+
 KV_FORMATS = ("native", "int8")
 
 
@@ -81,17 +83,24 @@ class DeviceKVStore:
         self.kv_format = kv_format
         self.compute_dtype = dtype
         store_dtype = torch.int8 if kv_format == "int8" else dtype
+
         # `empty`, not `zeros`: zeroing gigabytes at start costs seconds of page faults and
         # commits RAM no page uses yet. Unwritten slots are never read (a context is read up
         # to its length only) except padding in batched decode, which reads slot 0 of page 0
-        # and masks it: page 0 is zeroed so even that read is of finite numbers.
-        self.k_all = torch.empty(shape, dtype=store_dtype, device=device)  # [L, P, S, Hkv, D]
-        self.v_all = torch.empty(shape, dtype=store_dtype, device=device)
+        # and masks it: page 0 is zeroed so even that read is of finite numbers. On a CPU
+        # the store asks for huge pages: a long-context decode streams it like the weights.
+        def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            if torch.device(device).type == "cpu":
+                return huge_pages.empty(shape, dtype)
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        self.k_all = allocate(shape, store_dtype)  # [L, P, S, Hkv, D]
+        self.v_all = allocate(shape, store_dtype)
         self.k_scale_all: torch.Tensor | None = None
         self.v_scale_all: torch.Tensor | None = None
         if kv_format == "int8":
-            self.k_scale_all = torch.empty(shape[:-1], dtype=dtype, device=device)  # [L, P, S, Hkv]
-            self.v_scale_all = torch.empty(shape[:-1], dtype=dtype, device=device)
+            self.k_scale_all = allocate(shape[:-1], dtype)  # [L, P, S, Hkv]
+            self.v_scale_all = allocate(shape[:-1], dtype)
         for part in self.parts:
             part[:, 0].zero_()
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvchat.errors import ModelLoadError
+from kvchat.model import huge_pages
 from kvchat.model.batch import Attention, ForwardBatch
 from kvchat.model.config import ModelConfig
 from kvchat.model.decoder_ops import add_rms_norm, rotate_, silu_mul
@@ -97,8 +98,27 @@ class Transformer:
         ]
         for linear in self._linears():
             linear.prepack()  # after the loader cached any quantized layers (see `Linear`)
+        if self.device.type == "cpu":
+            self._gather_into_huge_pages()
         self.max_positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryTable(config, self.max_positions, self.dtype, self.device)
+
+    def _gather_into_huge_pages(self) -> None:
+        """Every linear layer's tensors, copied into one arena of 2 MiB pages: a decode
+        step streams them all (`huge_pages` says why). The embedding table is left where
+        it is: a step reads one row of it a token."""
+        places: list[tuple[object, str]] = []
+        for linear in self._linears():
+            for name in _slots(type(linear)):
+                t = getattr(linear, name, None)
+                if (
+                    isinstance(t, torch.Tensor)
+                    and t.layout == torch.strided
+                    and t.is_contiguous()
+                    and t.data_ptr() != self.embed.data_ptr()  # a tied head stays shared
+                ):
+                    places.append((linear, name))
+        huge_pages.move_into_arena(places)
 
     def _linears(self) -> list[Linear]:
         layers = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers]
@@ -125,6 +145,11 @@ def make_linear(weights: list, biases: list | None = None) -> Linear:
     if len(weights) == 1:
         return DenseLinear(weights[0], biases[0] if biases else None)
     return DenseLinear.fused(weights, biases)
+
+
+def _slots(cls: type) -> list[str]:
+    """The attribute names a `__slots__` class (and its bases) declare."""
+    return [name for c in cls.__mro__ for name in getattr(c, "__slots__", ())]
 
 
 def _strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
