@@ -44,10 +44,40 @@ def sample_next(
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # keep the smallest set whose mass reaches top_p (the first token always stays)
-        drop = cumulative - sorted_probs > params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+        kept, ids = nucleus(probs, params.top_p)
+        return int(ids[draw(kept, generator)])
+    return draw(probs, generator)
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """An index drawn with probability proportional to `weights` (>= 0, not all 0), by
+    inverting their cumulative sum at one uniform number: `torch.multinomial` took ~1 ms
+    over a 49k vocabulary, this ~0.05 ms. A zero weight is never drawn."""
+    cumulative = torch.cumsum(weights, dim=-1)
+    u = torch.rand(1, generator=generator, dtype=cumulative.dtype) * cumulative[-1]
+    index = int(torch.searchsorted(cumulative, u, right=True))
+    return min(index, weights.shape[-1] - 1)  # u rounding up onto the total
+
+
+NUCLEUS_FIRST_GUESS = 64  # tokens: a chat model's nucleus at top-p 0.9 is usually smaller
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(probabilities, token ids) of the smallest set of most likely tokens whose mass
+    reaches `top_p` (the most likely token always stays), most likely first.
+
+    Why not sort the vocabulary: a full sort of 49k probabilities took ~5 ms a token on
+    the target CPU, a third of a decode step. The nucleus is found among the top 64
+    (`topk`, ~0.1 ms), widened 8x at a time only when their mass falls short; the set
+    is the one the full sort gives.
+    """
+    n = probs.shape[-1]
+    k = NUCLEUS_FIRST_GUESS
+    while True:
+        k = min(k, n)
+        top, ids = torch.topk(probs, k)  # descending
+        cumulative = torch.cumsum(top, dim=-1)
+        # complete when the mass before every token left out already exceeds top_p
+        if k == n or float(cumulative[-1]) > top_p:
+            return top.masked_fill(cumulative - top > top_p, 0.0), ids
+        k *= 8
