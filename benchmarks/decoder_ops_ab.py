@@ -10,43 +10,25 @@ side's median step and the ratio.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
+from interleaved import ab_arguments, decoding_engine, interleaved_medians
 
-from kvchat.engine.config import EngineConfig
-from kvchat.engine.engine import Engine
-from kvchat.engine.request import GenerationRequest
 from kvchat.model import decoder_ops
-from kvchat.model.loader import load_model
 from kvchat.native import build
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=40)
-    args = parser.parse_args()
-    build.request(wait=True)
+    args = ab_arguments(__doc__, rounds=6, steps=40)
+    model, engine = decoding_engine(args.context)
     native = decoder_ops._native
-    model = load_model(None)
-    engine = Engine(model, EngineConfig(), start=False)
-    prompt = tuple(range(1000, 1000 + args.context))
-    engine.submit(GenerationRequest(prompt, max_tokens=1 << 30, ignore_eos=True), lambda e: None)
-    for _ in range(5):
-        engine.step()
-    times: dict[str, list[float]] = {"fused": [], "torch": []}
-    for r in range(args.rounds):
-        for side in ("fused", "torch") if r % 2 == 0 else ("torch", "fused"):
-            decoder_ops._native = native if side == "fused" else (lambda x: False)
-            engine.step()  # one step to settle after the switch
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                engine.step()
-                times[side].append(time.perf_counter() - start)
+
+    def switch(side: str) -> None:
+        decoder_ops._native = native if side == "fused" else (lambda x: False)
+
+    medians = interleaved_medians(
+        engine, ("fused", "torch"), switch, rounds=args.rounds, steps=args.steps
+    )
     decoder_ops._native = native
-    fused, plain = (statistics.median(times[s]) * 1e3 for s in ("fused", "torch"))
+    fused, plain = medians["fused"], medians["torch"]
     print(f"attention: {build.summary(model.transformer.device)}")
     print(
         f"decode step at ~{args.context} tokens: fused small ops {fused:.2f} ms, "

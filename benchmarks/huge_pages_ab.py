@@ -12,51 +12,32 @@ THP off, and the A/B compares like with like).
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from interleaved import ab_arguments, decoding_engine, interleaved_medians
 
-from kvchat.engine.config import EngineConfig
-from kvchat.engine.engine import Engine
-from kvchat.engine.request import GenerationRequest
-from kvchat.model.loader import load_model
 from kvchat.model.transformer import _slots
-from kvchat.native import build
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=30)
-    args = parser.parse_args()
-    build.request(wait=True)
-    model = load_model(None)
+    args = ab_arguments(__doc__, rounds=8, steps=30)
+    model, engine = decoding_engine(args.context)
     places = {}
     for linear in model.transformer._linears():
         for name in _slots(type(linear)):
             t = getattr(linear, name, None)
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                 places[(linear, name)] = {"huge": t, "plain": t.clone()}
-    engine = Engine(model, EngineConfig(), start=False)
-    prompt = tuple(range(1000, 1000 + args.context))
-    engine.submit(GenerationRequest(prompt, max_tokens=1 << 30, ignore_eos=True), lambda e: None)
-    for _ in range(5):
-        engine.step()
-    times: dict[str, list[float]] = {"huge": [], "plain": []}
-    for r in range(args.rounds):
-        for side in ("huge", "plain") if r % 2 == 0 else ("plain", "huge"):
-            for (obj, name), copies in places.items():
-                setattr(obj, name, copies[side])
-            engine.step()
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                engine.step()
-                times[side].append(time.perf_counter() - start)
-    huge, plain = (statistics.median(times[s]) * 1e3 for s in ("huge", "plain"))
+
+    def switch(side: str) -> None:
+        for (obj, name), copies in places.items():
+            setattr(obj, name, copies[side])
+
+    medians = interleaved_medians(
+        engine, ("huge", "plain"), switch, rounds=args.rounds, steps=args.steps
+    )
+    huge, plain = medians["huge"], medians["plain"]
     rollup = Path("/proc/self/smaps_rollup")
     granted = next(
         (line.split(":")[1].strip() for line in rollup.read_text().splitlines()
