@@ -225,3 +225,28 @@ def test_an_internal_error_fails_live_requests_instead_of_hanging(tiny, monkeypa
         done = c.wait(timeout=30)
         assert done.reason == FinishReason.ERROR
         assert "internal error" in (done.error or "")
+
+
+def test_non_finite_logits_fail_only_their_request_with_a_clear_message(tiny, monkeypatch):
+    """A row of NaN logits (a corrupt model, an overflowing dtype) ends that request with a
+    message that says what to do; the other request in the same steps decodes on."""
+    with small_engine(tiny) as engine:
+        forward = engine.transformer.forward
+        poisoned = (11, 12, 13, 14)
+
+        def forward_with_a_nan_row(batch, attention):
+            logits = forward(batch, attention).clone()  # an inference tensor: edit a copy
+            ends = batch.logits_indices.tolist()
+            for row, token_index in enumerate(ends):
+                if int(batch.input_ids[token_index]) in poisoned:
+                    logits[row] = float("nan")
+            return logits
+
+        monkeypatch.setattr(engine.transformer, "forward", forward_with_a_nan_row)
+        bad, good = Collector(), Collector()
+        engine.submit(GenerationRequest(poisoned, max_tokens=4, ignore_eos=True), bad)
+        engine.submit(GenerationRequest((5, 6, 7), max_tokens=4, ignore_eos=True), good)
+        failed, finished = bad.wait(timeout=60), good.wait(timeout=60)
+    assert failed.reason == FinishReason.ERROR
+    assert "NaN" in (failed.error or "") and "--dtype float32" in (failed.error or "")
+    assert finished.reason == FinishReason.LENGTH and len(finished.generated_ids) == 4

@@ -45,6 +45,12 @@ from kvchat.model.device import dtype_name
 from kvchat.native import build as native_build
 
 log = logging.getLogger(__name__)
+
+NON_FINITE_LOGITS = (
+    "The model produced NaN or infinite logits, so no token can be chosen. The model file "
+    "may be corrupt, or its weights overflow this dtype: try --dtype float32, or re-download "
+    "the model."
+)
 RATE_WINDOW_S = 5.0
 
 
@@ -338,6 +344,7 @@ class Engine:
     def _after_forward(self, plan: StepPlan, logits: torch.Tensor) -> None:
         now = time.monotonic()
         logits = logits.cpu()
+        all_finite = bool(torch.isfinite(logits).all())  # one check a step; per row only if not
         row = 0
         decode_tokens = prefill_tokens = 0
         for seq, n in plan.runs:
@@ -352,7 +359,9 @@ class Engine:
                 seq.state = RequestState.PREFILLING
                 seq.emit(PrefillProgress(seq.id, seq.num_computed, seq.prompt_len, now))
                 continue
-            if seq.cancel_requested:
+            if not all_finite and not bool(torch.isfinite(logits[row]).all()):
+                row += 1
+                self._fail(seq, NON_FINITE_LOGITS)
                 continue
             token = sample_next(logits[row], seq.request.sampling, seq.generator, seq.tokens)
             row += 1

@@ -39,7 +39,6 @@ class Sequence:
         self.admitted = False  # reserved at least once (later reservations are recompute)
         self.skipped = 0  # times a later request was admitted ahead of this one
         self.since_admission = 0  # tokens generated since the last (re)admission
-        self.cancel_requested = False
         self.cached = CachedTokens()
         self.prefilled_tokens = 0
         self.recomputed_tokens = 0
