@@ -27,10 +27,10 @@ def test_builtin_themes_are_importable_resources():
 
 def test_the_kernel_sources_ship_as_package_data():
     """kvchat.native.build compiles them on the user's machine: the wheel must carry them."""
-    from kvchat.native.build import SOURCES
+    from kvchat.native.build import HEADERS, SOURCES
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     patterns = data["package-data"]["kvchat.native"]
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         assert source.exists()
         assert any(source.match(f"kvchat/native/{p}") for p in patterns)

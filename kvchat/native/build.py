@@ -40,6 +40,7 @@ from kvchat.paths import app_paths
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / name for name in ("paged_attention.cpp", "decoder_ops.cpp"))
+HEADERS = (Path(__file__).parent / "element_types.h",)  # included by the sources
 LIBRARY_NAME = "kvchat_kernels.so"
 DISABLE_ENV = "KVCHAT_NATIVE_KERNELS"
 
@@ -105,7 +106,7 @@ def library_path(compiler: str) -> Path:
     ).stdout
     key = hashlib.sha256()
     flags = " ".join(_flags(Path(torch.__file__).parent))
-    sources = "".join(path.read_text() for path in SOURCES)
+    sources = "".join(path.read_text() for path in (*SOURCES, *HEADERS))
     for part in (sources, torch.__version__, version, flags, _cpu_signature()):
         key.update(part.encode())
     return app_paths().cache_dir / "native" / key.hexdigest()[:16] / LIBRARY_NAME

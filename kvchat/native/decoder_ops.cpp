@@ -20,6 +20,8 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include "element_types.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include <sleef.h>  // torch's own vector exp (libtorch_cpu exports it): SiLU as torch rounds it
@@ -33,38 +35,12 @@
 
 namespace {
 
+using kvchat::narrow;
+using kvchat::rounded;
+using kvchat::widen;
+
 constexpr int64_t kSerialElements = 32768;  // below this many elements a call stays on one thread
 constexpr int64_t kMaxHeadDim = 256;
-
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-template <typename T>
-inline T narrow(float x);
-template <>
-inline float narrow<float>(float x) {
-  return x;
-}
-template <>
-inline c10::BFloat16 narrow<c10::BFloat16>(float x) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  c10::BFloat16 out;
-  out.x = static_cast<uint16_t>(bits >> 16);
-  return out;
-}
-
-// x as torch would hold it after an op in dtype T: rounded to T, read back as float.
-template <typename T>
-inline float rounded(float x) {
-  return widen(narrow<T>(x));
-}
 
 template <typename F>
 void for_rows(int64_t rows, int64_t width, const F& body) {
@@ -159,13 +135,6 @@ void rotary_kernel(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, 
 // of a refined reciprocal, which turns 1 / inf into NaN (silu(-100) is then -6e-37, not -0).
 inline float silu(float g) { return g / (1.f + std::exp(std::min(-g, 88.f))); }
 
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
 
 template <typename T>
 void silu_mul_row(const T* gate, const T* up, T* out, int64_t width) {
@@ -174,7 +143,7 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t width) {
   alignas(64) float s[16];
   const __m512 one = _mm512_set1_ps(1.f), cap = _mm512_set1_ps(88.f);
   for (; j + 16 <= width; j += 16) {
-    const __m512 g = load16(gate + j);
+    const __m512 g = kvchat::widen16(gate + j);
     const __m512 e = Sleef_expf16_u10(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), cap));
     _mm512_store_ps(s, _mm512_div_ps(g, _mm512_add_ps(one, e)));
     for (int i = 0; i < 16; ++i) out[j + i] = narrow<T>(rounded<T>(s[i]) * widen(up[j + i]));

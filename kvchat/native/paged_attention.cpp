@@ -29,6 +29,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "element_types.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -79,15 +81,8 @@ inline V16 vexp(V16 x) {  // e^x for x <= 0, relative error ~2e-7
 inline V16 vselect_le(V16 x, V16 y, V16 a, V16 b) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, y, _CMP_LE_OQ), b, a);
 }
-inline V16 vconvert(const float* p) { return _mm512_loadu_ps(p); }
-inline V16 vconvert(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline V16 vconvert(const int8_t* p) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-}
+template <typename T>
+inline V16 vconvert(const T* p) { return kvchat::widen16(p); }
 #else
 struct V16 {
   float x[16];
@@ -107,22 +102,12 @@ inline V16 vselect_le(V16 x, V16 y, V16 a, V16 b) {
   for (int i = 0; i < 16; ++i) a.x[i] = x.x[i] <= y.x[i] ? a.x[i] : b.x[i];
   return a;
 }
-inline float to_float(float x) { return x; }
-inline float to_float(int8_t x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 template <typename T>
-inline V16 vconvert(const T* p) { V16 r; for (int i = 0; i < 16; ++i) r.x[i] = to_float(p[i]); return r; }
+inline V16 vconvert(const T* p) { V16 r; for (int i = 0; i < 16; ++i) r.x[i] = kvchat::widen(p[i]); return r; }
 #endif
 
-inline float scalar_float(float x) { return x; }
-inline float scalar_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline void from_float(float x, float* dst) { *dst = x; }
-inline void from_float(float x, c10::BFloat16* dst) { *dst = c10::BFloat16(x); }
+using kvchat::narrow;
+using kvchat::widen;
 
 struct WorkItem {
   int64_t seq;
@@ -159,7 +144,7 @@ struct Kernel {
       for (int c = 0; c < kVecs; ++c) vstore(out + 16 * c, vconvert(src + 16 * c));
       return;
     }
-    const V16 sc = vset1(scalar_float(scales[s * hkv + head]));
+    const V16 sc = vset1(widen(scales[s * hkv + head]));
     for (int c = 0; c < kVecs; ++c) vstore(out + 16 * c, vmul(vconvert(src + 16 * c), sc));
   }
 
@@ -184,7 +169,7 @@ struct Kernel {
       const int64_t tok = row / group;
       const int64_t head_q = w.head * group + row % group;
       const QT* src = q + (q_starts[w.seq] + tok) * q_row_stride + head_q * q_head_stride;
-      for (int d = 0; d < D; ++d) qt[d][i] = scalar_float(src[d]) * scale;
+      for (int d = 0; d < D; ++d) qt[d][i] = widen(src[d]) * scale;
       last_pos = L - n + tok;
       posf[i] = static_cast<float>(last_pos);
     }
@@ -277,7 +262,7 @@ struct Kernel {
       const int64_t tok = row / group;
       const int64_t head_q = w.head * group + row % group;
       const QT* src = q + (q_starts[w.seq] + tok) * q_row_stride + head_q * q_head_stride;
-      for (int d = 0; d < D; ++d) qf[r][d] = scalar_float(src[d]) * scale;
+      for (int d = 0; d < D; ++d) qf[r][d] = widen(src[d]) * scale;
       pos[r] = L - n + tok;
     }
     float* acc = scratch + w.scratch;  // [R, D]
@@ -438,7 +423,7 @@ void attend_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
         const int64_t tok = row / group;
         const int64_t head_q = w0.head * group + row % group;
         QT* dst = o + ((kern.q_starts[w0.seq] + tok) * hq + head_q) * D;
-        for (int d = 0; d < D; ++d) from_float(total[d] * inv, dst + d);
+        for (int d = 0; d < D; ++d) dst[d] = narrow<QT>(total[d] * inv);
       }
   }
 }
