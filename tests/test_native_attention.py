@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kvchat.engine import native_attention
+from kvchat.engine import native_attention, paged_attention
 from kvchat.engine.paged_attention import PagedAttention
 from kvchat.engine.request import GenerationRequest
 from kvchat.model.batch import ForwardBatch
@@ -170,27 +170,65 @@ def test_a_sequence_gets_the_same_bits_whatever_it_is_batched_with() -> None:
 @pytest.mark.usefixtures("kernel")
 @pytest.mark.parametrize("mixed", [False, True])
 def test_paged_attention_gives_the_same_result_with_and_without_the_kernel(mixed) -> None:
-    """Decodes through the kernel, in a decode-only step and beside a prefill chunk."""
+    """Decodes through the kernel, in a decode-only step and beside prefill chunks: a short
+    chunk over scattered pages (the kernel), a short one over one run of pages and a long
+    one over scattered pages (both flash attention)."""
     g = torch.Generator().manual_seed(3)
-    layers, pages, page, hkv, group, d = 1, 40, 16, 2, 3, 64
+    layers, pages, page, hkv, group, d = 1, 56, 16, 2, 3, 64
     k_all = torch.randn(layers, pages, page, hkv, d, generator=g)
     v_all = torch.randn(layers, pages, page, hkv, d, generator=g)
-    runs = [[5], [6], list(range(9, 21))] if mixed else [[5], [6], [7]]
-    starts = [100, 37, 150]
-    page_lists = [list(range(0, 12)), list(range(20, 12, -1)), list(range(25, 40))]
+    page_lists = [list(range(0, 7)), [20, 19, 18]]
+    if mixed:
+        runs = [[5], [6], list(range(9, 21)), list(range(3, 15)), list(range(7, 77))]
+        starts = [100, 37, 150, 50, 20]
+        page_lists += [
+            [30, 22, 31, 23, 32, 24, 33, 25, 34, 26, 35],  # scattered: the kernel
+            [40, 41, 42, 43],  # one run: flash attention over a slice
+            [50, 45, 51, 46, 52, 47],  # longer than KERNEL_CHUNK_ROWS: flash attention
+        ]
+        kernel_rows = [0, 1, *range(2, 14)]
+    else:
+        runs, starts, kernel_rows = [[5], [6]], [100, 37], [0, 1]
+    assert len(runs[-1]) > paged_attention.KERNEL_CHUNK_ROWS or not mixed
     batch = ForwardBatch.from_runs(runs, starts)
     q = torch.randn(batch.num_tokens, hkv * group, d, generator=g)
     k_new = torch.randn(batch.num_tokens, hkv, d, generator=g)
     v_new = torch.randn(batch.num_tokens, hkv, d, generator=g)
 
-    def run(native: bool) -> torch.Tensor:
+    def run(native: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         attention = PagedAttention(k_all.clone(), v_all.clone())
         attention.native_enabled = native
         attention.prepare(batch, page_lists)
         assert (attention._native is not None) == native
-        return attention(0, q, k_new, v_new)
+        if native and mixed:
+            assert attention._native_rows is not None
+            assert attention._native_rows.tolist() == kernel_rows
+        return attention(0, q, k_new, v_new), attention.k_all, attention.v_all
 
-    assert torch.allclose(run(True), run(False), atol=1e-5, rtol=1e-5)
+    out, k_after, v_after = run(True)
+    expected, k_expected, v_expected = run(False)
+    assert torch.allclose(out, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(k_after, k_expected) and torch.equal(v_after, v_expected)
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_store_copies_exactly_what_index_copy_does(dtype) -> None:
+    """store_kv: strided rows (views of a fused projection) to scattered slots."""
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(200, 3, 64, generator=g).to(dtype)
+    v = torch.randn(200, 3, 64, generator=g).to(dtype)
+    fused = torch.randn(37, 9 * 64, generator=g).to(dtype)
+    k_new = fused[:, 3 * 64 : 6 * 64].view(37, 3, 64)
+    v_new = fused[:, 6 * 64 :].view(37, 3, 64)
+    slots = torch.randperm(200, generator=g)[:37]
+    k_expected, v_expected = k.clone(), v.clone()
+    k_expected.index_copy_(0, slots, k_new)
+    v_expected.index_copy_(0, slots, v_new)
+    native_attention.store_kv(k, v, k_new, v_new, slots)
+    assert torch.equal(k, k_expected) and torch.equal(v, v_expected)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        native_attention.store_kv(k, v, k_new[:1], v_new[:1], torch.tensor([200]))
 
 
 @pytest.mark.usefixtures("kernel")

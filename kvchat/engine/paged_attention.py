@@ -8,12 +8,13 @@ each sequence's context either as a plain slice (when its pages are one run, as 
 page table's allocation and defragmentation try to leave them) or with one gather.
 
 On a CPU, once kvchat's own kernel is compiled and loaded (`native_attention`), every
-layer runs ONE kernel call for all the step's decodes, reading K/V in place through
-the page lists; prefill chunks stay on SDPA. Without the kernel, and on other devices:
-decode-only batches run one SDPA call for all sequences (padded and masked when
-there are several; a single sequence with a long context is sliced into a batch of
-parts merged by log-sum-exp, so both cores share the work); prefill chunks run SDPA
-per sequence, causal from the first new token on. Both fold grouped-query heads into
+layer runs ONE kernel call for all the step's decodes (and short chunks over scattered
+pages), reading K/V in place through the page lists; other prefill chunks stay on
+SDPA. Without the kernel, and on other devices: decode-only batches run one SDPA
+call for all sequences (padded and masked when there are several; a single sequence
+with a long context is sliced into a batch of parts merged by log-sum-exp, so both
+cores share the work); prefill chunks run SDPA per sequence, causal from the first
+new token on. Both fold grouped-query heads into
 query rows, so K/V stream once per kv head rather than once per query head.
 """
 
@@ -28,6 +29,14 @@ import torch.nn.functional as F
 from kvchat.engine import native_attention
 from kvchat.model.batch import ForwardBatch
 
+# A prefill chunk of at most this many tokens whose context is not one run of pages
+# attends through the kernel (with the decodes, in one call), which reads the pages in
+# place; torch's flash attention would first copy the whole context. Longer chunks, and
+# chunks over one run (a slice, no copy), stay on flash attention, whose blocked
+# products win once the rows are many. Measured on the 2-core target (W3's shape: three
+# streams beside a 4k-token ingest whose pages interleave with theirs; mixed steps
+# interleaved in one process): mean 78.2 vs 84.5 ms, p99 121 vs 132 ms.
+KERNEL_CHUNK_ROWS = 64
 SPLIT_DECODE_FROM = 4096  # context tokens from which one decode's attention is sliced (measured)
 DECODE_SPLITS = 4
 
@@ -89,6 +98,7 @@ class PagedAttention:
         self._native: tuple[torch.Tensor, ...] | None = None  # page lists etc. for the kernel
         self._native_rows: torch.Tensor | None = None  # q rows of the kernel's sequences
         self.native_enabled = True  # False: always torch's SDPA (tests compare the two)
+        self._store_native = False  # this forward's bf16/fp32 K/V stored by the kernel's copy
 
     def uses_native(self) -> bool:
         """Whether this forward's attention goes through kvchat's compiled kernel."""
@@ -104,7 +114,9 @@ class PagedAttention:
         context view (None). Prefill chunks stay on torch's flash attention, whose blocked
         bf16 products beat the kernel's vector loops once a sequence brings many query rows
         (`benchmarks/attention_layer.py`: 20 new tokens over 6k of context, 1.09 vs 1.84
-        ms a layer).
+        ms a layer), unless a chunk is short and its context scattered over pages
+        (`KERNEL_CHUNK_ROWS`): then the copy flash attention needs costs more. New K/V
+        of bf16/fp32 stores are copied to their slots by the kernel's library too.
         """
         S = self.page_size
         device = self.k_all.device
@@ -117,19 +129,23 @@ class PagedAttention:
         native_starts = [0]
         native_contexts: list[int] = []
         native_rows: list[int] = []
+        native_q_starts = [0]
         for n, total, pages in zip(batch.query_lens, batch.context_lens, page_lists, strict=True):
+            first_row = len(slots)
             for pos in range(total - n, total):
                 slots.append(pages[pos // S] * S + pos % S)
             used = (total + S - 1) // S
-            if native and n == 1:
-                native_rows.append(len(slots) - 1)
+            first = pages[0]
+            one_run = all(pages[j] == first + j for j in range(used))
+            if native and (n == 1 or (n <= KERNEL_CHUNK_ROWS and not one_run)):
+                native_rows.extend(range(first_row, first_row + n))
+                native_q_starts.append(len(native_rows))
                 native_pages.extend(pages[:used])
                 native_starts.append(len(native_pages))
                 native_contexts.append(total)
                 views.append(None)
                 continue
-            first = pages[0]
-            if all(pages[j] == first + j for j in range(used)):
+            if one_run:
                 views.append(_ContextView(first * S, total, None))
             else:
                 page_idx = torch.tensor(pages[:used], dtype=torch.long)
@@ -143,14 +159,15 @@ class PagedAttention:
         self._decode_mask = None
         self._native = None
         self._native_rows = None
+        self._store_native = native and not self.quantized
         if native_rows:
             self._native = (
                 torch.tensor(native_pages, dtype=torch.long),
                 torch.tensor(native_starts, dtype=torch.long),
-                torch.arange(len(native_rows) + 1, dtype=torch.long),
+                torch.tensor(native_q_starts, dtype=torch.long),
                 torch.tensor(native_contexts, dtype=torch.long),
             )
-            if len(native_rows) < batch.num_tokens:  # mixed: the decodes among the chunks
+            if len(native_rows) < batch.num_tokens:  # mixed: the kernel's rows among the chunks
                 self._native_rows = torch.tensor(native_rows, dtype=torch.long)
         elif batch.is_decode_only and len(views) > 1:
             self._prepare_padded_decode(views)  # type: ignore[arg-type]  # all views set
@@ -256,12 +273,16 @@ class PagedAttention:
     ) -> torch.Tensor:
         assert self._batch is not None and self._slots is not None, "prepare() first"
         k_flat, v_flat = self._layers[layer]
-        decode_only_native = self._native is not None and self._native_rows is None
-        if decode_only_native and k_flat.scale is None and _kernel_can_store(k_flat, k, v):
+        all_native = self._native is not None and self._native_rows is None
+        kernel_stores = self._store_native and _kernel_can_store(k_flat, k, v)
+        if all_native and kernel_stores:
             return self._native_decode(q, k_flat, v_flat, (k, v, self._slots))  # writes too
-        self._write(k_flat, k)
-        self._write(v_flat, v)
-        if decode_only_native:
+        if kernel_stores:
+            native_attention.store_kv(k_flat.data, v_flat.data, k, v, self._slots)
+        else:
+            self._write(k_flat, k)
+            self._write(v_flat, v)
+        if all_native:
             return self._native_decode(q, k_flat, v_flat)
         if self._batch.is_decode_only:
             return self._decode(q, k_flat, v_flat)
