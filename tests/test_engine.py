@@ -250,3 +250,51 @@ def test_non_finite_logits_fail_only_their_request_with_a_clear_message(tiny, mo
     assert failed.reason == FinishReason.ERROR
     assert "NaN" in (failed.error or "") and "--dtype float32" in (failed.error or "")
     assert finished.reason == FinishReason.LENGTH and len(finished.generated_ids) == 4
+
+
+def test_idle_defragmentation_runs_in_slices_and_yields_to_a_new_request(tiny, monkeypatch):
+    """The idle engine moves at most `DEFRAG_PAGES_PER_STEP` pages a step: a request that
+    arrives meanwhile is computed on the very next step, and the pass finishes after it."""
+    from kvchat.engine import engine as engine_module
+    from kvchat.engine.config import EngineConfig
+    from kvchat.engine.engine import Engine
+    from kvchat.engine.kv_store import kv_bytes_per_token
+
+    monkeypatch.setattr(engine_module, "DEFRAG_PAGES_PER_STEP", 4)
+    c = tiny.config
+    per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, tiny.dtype)
+    config = EngineConfig(  # 48 pages: the two prompts' 33 pages are most of them
+        device_cache_bytes=48 * 16 * per_token,
+        host_cache_bytes=0,
+        page_size=16,
+        step_token_budget=32,
+    )
+    with Engine(tiny, config, start=False) as engine:
+        a, b = Collector(), Collector()  # prefilled side by side: their pages interleave
+        engine.submit(GenerationRequest(tuple(range(3, 303)), max_tokens=2, ignore_eos=True), a)
+        engine.submit(GenerationRequest(tuple(range(5, 205)), max_tokens=2, ignore_eos=True), b)
+        while not (a.done.is_set() and b.done.is_set()):
+            engine.step()
+        moved_before = engine.table.defragment  # the engine's own calls, counted
+        moves: list[int] = []
+
+        def counted(max_moves=None, *, resuming=False):
+            n = moved_before(max_moves, resuming=resuming)
+            moves.append(n)
+            return n
+
+        monkeypatch.setattr(engine.table, "defragment", counted)
+        assert engine.step() is True  # an idle step that moved pages
+        assert 0 < moves[-1] <= 4
+        c = Collector()
+        engine.submit(GenerationRequest(tuple(range(7, 27)), max_tokens=1, ignore_eos=True), c)
+        engine.step()
+        assert c.done.is_set(), "the new request waited for the defragmentation"
+        calls = len(moves)
+        while engine.step():
+            pass
+        engine.table.validate()
+        assert len(moves) > calls + 1 and moves[-1] == 0  # resumed in slices, then settled
+        assert all(n <= 4 for n in moves)
+        for prompt in (range(3, 303), range(5, 205)):  # still cached, all of it
+            assert engine.table.residency(tuple(prompt)).device == len(prompt)

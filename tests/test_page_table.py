@@ -377,6 +377,38 @@ def test_defragment_lays_chains_out_contiguously_from_page_zero() -> None:
     assert res.pages == (0, 1, 2, 3, 4)  # the next turn grows into the room left after it
 
 
+def test_defragment_in_slices_reaches_the_layout_of_one_pass() -> None:
+    """The engine defragments a few pages per idle step: slices of two moves each end
+    where a single pass ends, and then report nothing left to do."""
+
+    def interleaved():
+        table, mover = make(12)
+        a, b = list(range(100, 116)), list(range(200, 208))
+        table.reserve(1, a[:1], count_as="prompt")
+        table.reserve(2, b[:1], count_as="prompt")
+        for n in range(1, 17):
+            for sid, toks in ((1, a), (2, b)):
+                if n <= len(toks):
+                    compute(table, mover, sid, toks[:n])
+        table.release(1)
+        table.release(2)
+        return table, mover
+
+    whole, _ = interleaved()
+    assert whole.defragment() > 0
+    sliced, mover = interleaved()
+    calls = 0
+    while sliced.defragment(max_moves=2, resuming=calls > 0):  # a park takes two moves
+        sliced.validate()
+        calls += 1
+        assert calls < 50, "slices never settle"
+    assert calls > 1
+    for p in range(12):
+        assert sliced.page_info(p).tokens == whole.page_info(p).tokens
+        if sliced.page_info(p).tokens:
+            assert tuple(s[-1] for s in mover.dev[p]) == sliced.page_info(p).tokens
+
+
 def test_defragment_leaves_no_gaps_when_the_pool_is_nearly_full() -> None:
     table, mover = make(7)  # one spare page: room to move, not to leave a gap per tree
     a, b = list(range(100, 112)), list(range(200, 212))

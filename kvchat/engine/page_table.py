@@ -446,15 +446,16 @@ class PageTable:
             self._cached.add(p)
         return k
 
-    def defragment(self, max_moves: int | None = None) -> int:
+    def defragment(self, max_moves: int | None = None, *, resuming: bool = False) -> int:
         """When no sequence is live, pack cached trees contiguously from page 0, longest first.
 
         Contiguous chains make each sequence's pages ascending runs, which attention
         reads in place instead of gathering them (benchmarks/defrag.py). Each tree is
         followed by up to `DEFRAG_GAP_PAGES` free pages when the pool has room, so a
         conversation's next turn extends its run instead of landing elsewhere (see
-        `_allocate`). Skipped (returns 0) when fewer than 10% of pages would move.
-        Returns pages moved.
+        `_allocate`). Skipped (returns 0) when fewer than 10% of pages would move, unless
+        `resuming` a pass that `max_moves` cut short (the engine moves a slice of pages
+        per idle step), which then finishes the layout it started. Returns pages moved.
         """
         if self._seqs:
             return 0
@@ -470,7 +471,7 @@ class PageTable:
                 t += 1
             t += gap
         misplaced = sum(1 for t, page in targets if page.index != t)
-        if misplaced == 0 or misplaced * 10 < self.num_pages:
+        if misplaced == 0 or (misplaced * 10 < self.num_pages and not resuming):
             return 0
         limit = max_moves if max_moves is not None else 2 * self.num_pages
         free = set(self._free)
