@@ -41,3 +41,61 @@ def test_sliced_decode_attention_equals_the_single_call(monkeypatch, context, dt
     scores = torch.einsum("hd,lhd->hl", q[0].float(), keys) / D**0.5
     expected = torch.einsum("hl,lhd->hd", scores.softmax(-1), values)
     assert torch.allclose(sliced[0].float(), expected, atol=tol * 2, rtol=tol * 2)
+
+
+@pytest.mark.parametrize("kv", ["native", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("pages", "start", "n"),
+    [
+        ([4, 5, 0, 1, 2, 9, 7], 70, 30),  # three runs of prefix, the chunk over two pages
+        ([8, 2, 3, 6], 33, 5),  # the chunk inside one page after a partial run
+        ([1, 0], 16, 16),  # a prefix of exactly one page, the chunk filling the next
+        ([3, 4, 5, 6, 7], 40, 30),  # one run of pages: the prefix read as one slice
+        ([2, 3], 1, 20),  # a prefix of one token
+    ],
+)
+def test_a_chunk_read_by_runs_of_pages_equals_one_masked_call(
+    monkeypatch, pages, start, n, dtype, kv
+) -> None:
+    """Runs of pages attended in place, the new tokens causal among themselves, merged by
+    log-sum-exp, equal one masked call over the (gathered) context, and both equal
+    attention written out directly."""
+    g = torch.Generator().manual_seed(start + n)
+    store_pages = max(pages) + 1
+    k_all = torch.randn(1, store_pages, PAGE, HKV, D, generator=g).to(dtype)
+    v_all = torch.randn(1, store_pages, PAGE, HKV, D, generator=g).to(dtype)
+    scales = None
+    if kv == "int8":  # codes and per-token scales, as the int8 store keeps them
+        scales = [(torch.rand(1, store_pages, PAGE, HKV, generator=g) / 20).to(dtype)
+                  for _ in range(2)]  # fmt: skip
+        k_all = torch.randint(-127, 128, k_all.shape, generator=g, dtype=torch.int8)
+        v_all = torch.randint(-127, 128, v_all.shape, generator=g, dtype=torch.int8)
+    q = torch.randn(n, HKV * GROUP, D, generator=g).to(dtype)
+    k_new = torch.randn(n, HKV, D, generator=g).to(dtype)
+    v_new = torch.randn(n, HKV, D, generator=g).to(dtype)
+
+    def chunk(max_runs: int) -> tuple[torch.Tensor, PagedAttention]:
+        monkeypatch.setattr(paged_attention, "MAX_PREFIX_RUNS", max_runs)
+        extra = (None, None) if scales is None else (scales[0].clone(), scales[1].clone())
+        attention = PagedAttention(k_all.clone(), v_all.clone(), *extra)
+        attention.native_enabled = False
+        attention.prepare(ForwardBatch.from_runs([list(range(n))], [start]), [pages])
+        assert (attention._views[0].prefix_runs is not None) == (max_runs > 0)
+        return attention(0, q, k_new, v_new), attention
+
+    by_runs, attention = chunk(8)
+    gathered, _ = chunk(0)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert torch.allclose(by_runs.float(), gathered.float(), atol=tol, rtol=tol)
+    # directly: the stored context (dequantized for int8), causal over the new tokens
+    total = start + n
+    slots = [pages[p // PAGE] * PAGE + p % PAGE for p in range(total)]
+    keys = attention._gather(attention._layers[0][0], torch.tensor(slots)).float()
+    values = attention._gather(attention._layers[0][1], torch.tensor(slots)).float()
+    keys, values = keys.repeat_interleave(GROUP, dim=1), values.repeat_interleave(GROUP, dim=1)
+    scores = torch.einsum("thd,lhd->htl", q.float(), keys) / D**0.5
+    visible = torch.arange(total)[None, :] <= torch.arange(start, total)[:, None]  # [n, L]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    expected = torch.einsum("htl,lhd->thd", scores.softmax(-1), values)
+    assert torch.allclose(by_runs.float(), expected, atol=tol * 2, rtol=tol * 2)

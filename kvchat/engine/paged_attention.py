@@ -3,19 +3,19 @@
 The store is one K and one V tensor shaped [layers, pages, page_size, kv_heads,
 head_dim]; a sequence's token at position p lives in page `pages[p // S]`, slot
 `p % S`. `prepare()` turns a batch and its page lists into flat slot indices once
-per forward; every layer then writes its new K/V with one `index_copy_` and reads
+per forward; every layer then writes its new K/V with one copy and reads
 each sequence's context either as a plain slice (when its pages are one run, as the
 page table's allocation and defragmentation try to leave them) or with one gather.
 
 On a CPU, once kvchat's own kernel is compiled and loaded (`native_attention`), every
-layer runs ONE kernel call for all the step's decodes (and short chunks over scattered
-pages), reading K/V in place through the page lists; other prefill chunks stay on
-SDPA. Without the kernel, and on other devices: decode-only batches run one SDPA
-call for all sequences (padded and masked when there are several; a single sequence
-with a long context is sliced into a batch of parts merged by log-sum-exp, so both
-cores share the work); prefill chunks run SDPA per sequence, causal from the first
-new token on. Both fold grouped-query heads into
-query rows, so K/V stream once per kv head rather than once per query head.
+layer runs ONE kernel call for all the step's decodes, reading K/V in place through
+the page lists; prefill chunks stay on SDPA, which on a CPU reads a cached prefix in
+place too, run of pages by run of pages (`_attend_by_runs`). Without the kernel, and
+on other devices: decode-only batches run one SDPA call for all sequences (padded and
+masked when there are several; a single sequence with a long context is sliced into a
+batch of parts merged by log-sum-exp, so both cores share the work); prefill chunks
+run SDPA per sequence, causal from the first new token on. Both fold grouped-query
+heads into query rows, so K/V stream once per kv head rather than once per query head.
 """
 
 from __future__ import annotations
@@ -29,22 +29,37 @@ import torch.nn.functional as F
 from kvchat.engine import native_attention
 from kvchat.model.batch import ForwardBatch
 
-# A prefill chunk of at most this many tokens whose context is not one run of pages
-# attends through the kernel (with the decodes, in one call), which reads the pages in
-# place; torch's flash attention would first copy the whole context. Longer chunks, and
-# chunks over one run (a slice, no copy), stay on flash attention, whose blocked
-# products win once the rows are many. Measured on the 2-core target (W3's shape: three
-# streams beside a 4k-token ingest whose pages interleave with theirs; mixed steps
-# interleaved in one process): mean 78.2 vs 84.5 ms, p99 121 vs 132 ms.
-KERNEL_CHUNK_ROWS = 64
+# A chunk's scattered context is read in at most this many runs of pages; more: one
+# gathered copy (0: never by runs, one masked call over the whole context: the tests'
+# reference).
+MAX_PREFIX_RUNS = 8
 SPLIT_DECODE_FROM = 4096  # context tokens from which one decode's attention is sliced (measured)
 DECODE_SPLITS = 4
 
 
-def _flash_with_lse(q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_with_lse(q, k, v, *, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """torch's CPU flash attention, returning the output and its log-sum-exp per row."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal)
     return out, lse
+
+
+def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Attention over parts of a context, merged exactly by their log-sum-exps."""
+    weights = torch.softmax(torch.stack(lses), dim=0).unsqueeze(-1)  # float32
+    return (torch.stack(outs).float() * weights).sum(dim=0).to(dtype)
+
+
+def _prefix_runs(pages: Sequence[int], length: int, page_size: int) -> tuple[tuple[int, int], ...]:
+    """The first `length` positions of a page list as runs of consecutive pages:
+    (first flat slot, tokens) each."""
+    runs: list[list[int]] = []
+    for j in range((length + page_size - 1) // page_size):
+        tokens = min(page_size, length - j * page_size)
+        if runs and pages[j] * page_size == runs[-1][0] + runs[-1][1]:
+            runs[-1][1] += tokens
+        else:
+            runs.append([pages[j] * page_size, tokens])
+    return tuple((start, tokens) for start, tokens in runs)
 
 
 @dataclass(frozen=True)
@@ -63,6 +78,11 @@ class _ContextView:
     length: int
     gather: torch.Tensor | None  # [L] flat slot indices when not contiguous
     pages: torch.Tensor | None = None  # [n] page indices when not contiguous
+    # A prefill chunk after a cached prefix, on a CPU: the prefix as runs of consecutive
+    # pages (first flat slot, tokens), attended part by part; the new tokens' slots when
+    # the context is scattered (else they follow the one run)
+    prefix_runs: tuple[tuple[int, int], ...] | None = None
+    new_slots: torch.Tensor | None = None
 
 
 class PagedAttention:
@@ -114,13 +134,14 @@ class PagedAttention:
         context view (None). Prefill chunks stay on torch's flash attention, whose blocked
         bf16 products beat the kernel's vector loops once a sequence brings many query rows
         (`benchmarks/attention_layer.py`: 20 new tokens over 6k of context, 1.09 vs 1.84
-        ms a layer), unless a chunk is short and its context scattered over pages
-        (`KERNEL_CHUNK_ROWS`): then the copy flash attention needs costs more. New K/V
-        of bf16/fp32 stores are copied to their slots by the kernel's library too.
+        ms a layer); on a CPU they read their cached prefix run by run, in place
+        (`_attend_by_runs`). New K/V of bf16/fp32 stores are copied to their slots by
+        the kernel's library too.
         """
         S = self.page_size
         device = self.k_all.device
         native = self.uses_native()
+        cpu = device.type == "cpu"  # where torch's flash attention returns log-sum-exps
         slots: list[int] = []
         views: list[_ContextView | None] = []
         # the kernel's tables: its sequences' used pages back to back, their offsets,
@@ -137,7 +158,7 @@ class PagedAttention:
             used = (total + S - 1) // S
             first = pages[0]
             one_run = all(pages[j] == first + j for j in range(used))
-            if native and (n == 1 or (n <= KERNEL_CHUNK_ROWS and not one_run)):
+            if native and n == 1:
                 native_rows.extend(range(first_row, first_row + n))
                 native_q_starts.append(len(native_rows))
                 native_pages.extend(pages[:used])
@@ -146,11 +167,22 @@ class PagedAttention:
                 views.append(None)
                 continue
             if one_run:
-                views.append(_ContextView(first * S, total, None))
+                by_runs = cpu and 1 < n < total and MAX_PREFIX_RUNS > 0
+                runs = ((first * S, total - n),) if by_runs else None
+                views.append(_ContextView(first * S, total, None, None, runs))
             else:
                 page_idx = torch.tensor(pages[:used], dtype=torch.long)
                 flat = (page_idx[:, None] * S + torch.arange(S)).reshape(-1)[:total]
-                views.append(_ContextView(0, total, flat.to(device), page_idx.to(device)))
+                runs = new_slots = None
+                if cpu and 1 < n < total:
+                    runs = _prefix_runs(pages, total - n, S)
+                    if len(runs) <= MAX_PREFIX_RUNS:
+                        new_slots = torch.tensor(slots[first_row:], dtype=torch.long)
+                    else:
+                        runs = None
+                views.append(
+                    _ContextView(0, total, flat.to(device), page_idx.to(device), runs, new_slots)
+                )
         self._batch = batch
         self._slots = torch.tensor(slots, dtype=torch.long, device=device)
         self._views = views
@@ -361,9 +393,7 @@ class PagedAttention:
             rest_out, rest_lse = _flash_with_lse(rows, rest_k, rest_v)
             out = torch.cat([out, rest_out])
             lse = torch.cat([lse, rest_lse])
-        weights = torch.softmax(lse, dim=0).unsqueeze(-1)  # [parts, Hkv, g, 1], float32
-        merged = (out.float() * weights).sum(dim=0)  # [Hkv, g, D]
-        return merged.to(q.dtype).reshape(1, Hq, D)
+        return _merge(list(out), list(lse), q.dtype).reshape(1, Hq, D)
 
     def _prefill(self, q: torch.Tensor, k_flat: _FlatKV, v_flat: _FlatKV) -> torch.Tensor:
         """Per sequence: SDPA over its whole context, causal from its first new token on.
@@ -377,6 +407,11 @@ class PagedAttention:
         start = 0
         for i, (n, view) in enumerate(zip(self._batch.query_lens, self._views, strict=True)):
             if view is None:  # a decode the kernel computed above
+                start += n
+                continue
+            if view.prefix_runs is not None:
+                out[start : start + n] = self._attend_by_runs(q[start : start + n], k_flat,
+                                                              v_flat, view)  # fmt: skip
                 start += n
                 continue
             qs = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
@@ -413,6 +448,52 @@ class PagedAttention:
         rows = q.view(n, Hkv, group, D).permute(1, 0, 2, 3).reshape(1, Hkv, n * group, D)
         o = F.scaled_dot_product_attention(rows, ks, vs, attn_mask=mask)  # [1, Hkv, n*g, D]
         return o.view(Hkv, n, group, D).permute(1, 0, 2, 3).reshape(n, Hq, D)
+
+    def _attend_by_runs(
+        self, q: torch.Tensor, k_flat: _FlatKV, v_flat: _FlatKV, view: _ContextView
+    ) -> torch.Tensor:
+        """A chunk's causal attention after a cached prefix, without a mask over the prefix
+        and without copying a scattered context.
+
+        Flash attention reads each run of consecutive pages of the prefix in place (every
+        new token sees all of it: no mask; query heads folded into their kv head's rows as
+        in `_attend_after_prefix`), then the new tokens among themselves (causal, which
+        flash attention computes block by block, skipping the future), and the parts are
+        merged by their log-sum-exps: the same result as one masked call over the whole
+        context, to the rounding of the compute dtype.
+        """
+        assert view.prefix_runs is not None
+        n, Hq, D = q.shape
+        Hkv = self.num_kv_heads
+        group = Hq // Hkv
+        rows = q.view(n, Hkv, group, D).permute(1, 0, 2, 3).reshape(1, Hkv, n * group, D)
+        outs: list[torch.Tensor] = []
+        lses: list[torch.Tensor] = []
+        for first, tokens in view.prefix_runs:
+            part = _ContextView(first, tokens, None)
+            ks = self._context(k_flat, part).transpose(0, 1).unsqueeze(0)  # [1, Hkv, t, D]
+            vs = self._context(v_flat, part).transpose(0, 1).unsqueeze(0)
+            o, lse = _flash_with_lse(rows, ks, vs)
+            outs.append(o)
+            lses.append(lse)
+        if view.new_slots is not None:
+            k_new, v_new = (
+                self._gather(k_flat, view.new_slots),
+                self._gather(v_flat, view.new_slots),
+            )
+        else:  # the new tokens follow the prefix's one run
+            tail = _ContextView(view.prefix_runs[0][0] + view.prefix_runs[0][1], n, None)
+            k_new, v_new = self._context(k_flat, tail), self._context(v_flat, tail)
+
+        def heads(x: torch.Tensor) -> torch.Tensor:  # [n, Hkv, D] -> [1, Hq, n, D]
+            return x.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+
+        o, lse = _flash_with_lse(q.transpose(0, 1).unsqueeze(0), heads(k_new), heads(v_new),
+                                 causal=True)  # fmt: skip
+        outs.append(o[0].view(Hkv, group, n, D).transpose(1, 2).reshape(1, Hkv, n * group, D))
+        lses.append(lse[0].view(Hkv, group, n).transpose(1, 2).reshape(1, Hkv, n * group))
+        merged = _merge(outs, lses, q.dtype)  # [1, Hkv, n*g, D]
+        return merged.view(Hkv, n, group, D).permute(1, 0, 2, 3).reshape(n, Hq, D)
 
 
 def _kernel_can_store(store: _FlatKV, k: torch.Tensor, v: torch.Tensor) -> bool:
