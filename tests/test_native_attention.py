@@ -171,8 +171,7 @@ def test_a_sequence_gets_the_same_bits_whatever_it_is_batched_with() -> None:
 @pytest.mark.parametrize("mixed", [False, True])
 def test_paged_attention_gives_the_same_result_with_and_without_the_kernel(mixed) -> None:
     """Decodes through the kernel, in a decode-only step and beside prefill chunks over
-    scattered pages and over one run of pages (flash attention), which the kernel
-    stores the new K/V of too."""
+    scattered pages and over one run of pages (flash attention)."""
     g = torch.Generator().manual_seed(3)
     layers, pages, page, hkv, group, d = 1, 56, 16, 2, 3, 64
     k_all = torch.randn(layers, pages, page, hkv, d, generator=g)
@@ -208,26 +207,6 @@ def test_paged_attention_gives_the_same_result_with_and_without_the_kernel(mixed
     expected, k_expected, v_expected = run(False)
     assert torch.allclose(out, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(k_after, k_expected) and torch.equal(v_after, v_expected)
-
-
-@pytest.mark.usefixtures("kernel")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernels_store_copies_exactly_what_index_copy_does(dtype) -> None:
-    """store_kv: strided rows (views of a fused projection) to scattered slots."""
-    g = torch.Generator().manual_seed(5)
-    k = torch.randn(200, 3, 64, generator=g).to(dtype)
-    v = torch.randn(200, 3, 64, generator=g).to(dtype)
-    fused = torch.randn(37, 9 * 64, generator=g).to(dtype)
-    k_new = fused[:, 3 * 64 : 6 * 64].view(37, 3, 64)
-    v_new = fused[:, 6 * 64 :].view(37, 3, 64)
-    slots = torch.randperm(200, generator=g)[:37]
-    k_expected, v_expected = k.clone(), v.clone()
-    k_expected.index_copy_(0, slots, k_new)
-    v_expected.index_copy_(0, slots, v_new)
-    native_attention.store_kv(k, v, k_new, v_new, slots)
-    assert torch.equal(k, k_expected) and torch.equal(v, v_expected)
-    with pytest.raises(RuntimeError, match="slot out of range"):
-        native_attention.store_kv(k, v, k_new[:1], v_new[:1], torch.tensor([200]))
 
 
 @pytest.mark.usefixtures("kernel")

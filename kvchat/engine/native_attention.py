@@ -65,11 +65,3 @@ def paged_attention(
         v_new,
         slots,
     )
-
-
-def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor
-) -> None:
-    """Store new tokens' K/V `[T, Hkv, D]` (each token's values contiguous, in the store's
-    dtype; bf16/fp32 stores) at `slots` of one layer's flat store `[slots, Hkv, D]`."""
-    torch.ops.kvchat.store_kv(k, v, k_new, v_new, slots)

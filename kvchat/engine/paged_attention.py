@@ -3,7 +3,7 @@
 The store is one K and one V tensor shaped [layers, pages, page_size, kv_heads,
 head_dim]; a sequence's token at position p lives in page `pages[p // S]`, slot
 `p % S`. `prepare()` turns a batch and its page lists into flat slot indices once
-per forward; every layer then writes its new K/V with one copy and reads
+per forward; every layer then writes its new K/V with one `index_copy_` and reads
 each sequence's context either as a plain slice (when its pages are one run, as the
 page table's allocation and defragmentation try to leave them) or with one gather.
 
@@ -118,7 +118,6 @@ class PagedAttention:
         self._native: tuple[torch.Tensor, ...] | None = None  # page lists etc. for the kernel
         self._native_rows: torch.Tensor | None = None  # q rows of the kernel's sequences
         self.native_enabled = True  # False: always torch's SDPA (tests compare the two)
-        self._store_native = False  # this forward's bf16/fp32 K/V stored by the kernel's copy
 
     def uses_native(self) -> bool:
         """Whether this forward's attention goes through kvchat's compiled kernel."""
@@ -135,8 +134,7 @@ class PagedAttention:
         bf16 products beat the kernel's vector loops once a sequence brings many query rows
         (`benchmarks/attention_layer.py`: 20 new tokens over 6k of context, 1.09 vs 1.84
         ms a layer); on a CPU they read their cached prefix run by run, in place
-        (`_attend_by_runs`). New K/V of bf16/fp32 stores are copied to their slots by
-        the kernel's library too.
+        (`_attend_by_runs`).
         """
         S = self.page_size
         device = self.k_all.device
@@ -191,7 +189,6 @@ class PagedAttention:
         self._decode_mask = None
         self._native = None
         self._native_rows = None
-        self._store_native = native and not self.quantized
         if native_rows:
             self._native = (
                 torch.tensor(native_pages, dtype=torch.long),
@@ -306,14 +303,10 @@ class PagedAttention:
         assert self._batch is not None and self._slots is not None, "prepare() first"
         k_flat, v_flat = self._layers[layer]
         all_native = self._native is not None and self._native_rows is None
-        kernel_stores = self._store_native and _kernel_can_store(k_flat, k, v)
-        if all_native and kernel_stores:
+        if all_native and k_flat.scale is None and _kernel_can_store(k_flat, k, v):
             return self._native_decode(q, k_flat, v_flat, (k, v, self._slots))  # writes too
-        if kernel_stores:
-            native_attention.store_kv(k_flat.data, v_flat.data, k, v, self._slots)
-        else:
-            self._write(k_flat, k)
-            self._write(v_flat, v)
+        self._write(k_flat, k)
+        self._write(v_flat, v)
         if all_native:
             return self._native_decode(q, k_flat, v_flat)
         if self._batch.is_decode_only:

@@ -471,19 +471,6 @@ void write_new_kv(const at::Tensor& store, const at::Tensor& rows, const at::Ten
   }
 }
 
-// A step's new K/V stored without attending: the prefill chunks' tokens, whose
-// attention runs elsewhere. One memcpy per token and tensor, where torch's
-// index_copy_ spent ~1 ms on a 512-token chunk per layer (strided source, generic
-// indexing); the same bytes as index_copy_.
-void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_new,
-              const at::Tensor& v_new, const at::Tensor& slots) {
-  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous(),
-              "K/V store: contiguous [slots, Hkv, D]");
-  TORCH_CHECK(k.scalar_type() != at::kChar, "int8 K/V are quantized by the caller");
-  write_new_kv(k, k_new, slots);
-  write_new_kv(v, v_new, slots);
-}
-
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const std::optional<at::Tensor>& k_scale,
                   const std::optional<at::Tensor>& v_scale, const at::Tensor& pages,
@@ -547,10 +534,6 @@ TORCH_LIBRARY(kvchat, m) {
       "paged_attention(Tensor q, Tensor(a!) k, Tensor(b!) v, Tensor? k_scale, Tensor? v_scale, "
       "Tensor pages, Tensor page_starts, Tensor q_starts, Tensor ctx_lens, int page_size, "
       "float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? new_slots=None) -> Tensor");
-  m.def("store_kv(Tensor(a!) k, Tensor(b!) v, Tensor k_new, Tensor v_new, Tensor slots) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvchat, CPU, m) {
-  m.impl("paged_attention", attend);
-  m.impl("store_kv", store_kv);
-}
+TORCH_LIBRARY_IMPL(kvchat, CPU, m) { m.impl("paged_attention", attend); }
