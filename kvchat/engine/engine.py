@@ -53,9 +53,10 @@ NON_FINITE_LOGITS = (
 )
 RATE_WINDOW_S = 5.0
 # Idle defragmentation moves at most this many pages a step, so a request that arrives
-# meanwhile waits for one slice (16 pages: 3-40 ms on the 2-core target, the slow end when
-# the destination memory is touched for the first time), not for the whole pass (up to
-# 0.4 s measured after a switch between two 6k-token conversations).
+# meanwhile waits for one slice, not for the whole pass. Measured on the 2-core target
+# around switches between two 6k-token conversations: whole passes 28-374 ms; 16-page
+# slices 8-28 ms in 39 of 46, up to 288 ms when the destination memory was touched for
+# the first time (its page faults).
 DEFRAG_PAGES_PER_STEP = 16
 
 
