@@ -350,10 +350,13 @@ def test_recompute_counts_apart_from_prompt_tokens() -> None:
     counters_add_up(table)
 
 
-def test_defragment_lays_chains_out_contiguously_from_page_zero() -> None:
+CONVERSATION_A, CONVERSATION_B = list(range(100, 116)), list(range(200, 208))
+
+
+def two_interleaved_conversations():
+    """A 12-page table where two finished conversations' pages alternate."""
     table, mover = make(12)
-    # interleave two conversations so their pages alternate
-    a, b = list(range(100, 116)), list(range(200, 208))
+    a, b = CONVERSATION_A, CONVERSATION_B
     table.reserve(1, a[:1], count_as="prompt")
     table.reserve(2, b[:1], count_as="prompt")
     for n in range(1, 17):
@@ -362,6 +365,12 @@ def test_defragment_lays_chains_out_contiguously_from_page_zero() -> None:
                 compute(table, mover, sid, toks[:n])
     table.release(1)
     table.release(2)
+    return table, mover
+
+
+def test_defragment_lays_chains_out_contiguously_from_page_zero() -> None:
+    table, mover = two_interleaved_conversations()
+    a = CONVERSATION_A
     table.validate()
     moved = table.defragment()
     table.validate()
@@ -380,23 +389,9 @@ def test_defragment_lays_chains_out_contiguously_from_page_zero() -> None:
 def test_defragment_in_slices_reaches_the_layout_of_one_pass() -> None:
     """The engine defragments a few pages per idle step: slices of two moves each end
     where a single pass ends, and then report nothing left to do."""
-
-    def interleaved():
-        table, mover = make(12)
-        a, b = list(range(100, 116)), list(range(200, 208))
-        table.reserve(1, a[:1], count_as="prompt")
-        table.reserve(2, b[:1], count_as="prompt")
-        for n in range(1, 17):
-            for sid, toks in ((1, a), (2, b)):
-                if n <= len(toks):
-                    compute(table, mover, sid, toks[:n])
-        table.release(1)
-        table.release(2)
-        return table, mover
-
-    whole, _ = interleaved()
+    whole, _ = two_interleaved_conversations()
     assert whole.defragment() > 0
-    sliced, mover = interleaved()
+    sliced, mover = two_interleaved_conversations()
     calls = 0
     while sliced.defragment(max_moves=2, resuming=calls > 0):  # a park takes two moves
         sliced.validate()
