@@ -169,18 +169,14 @@ class PagedAttention:
                 runs = ((first * S, total - n),) if by_runs else None
                 views.append(_ContextView(first * S, total, None, None, runs))
             else:
+                runs = _prefix_runs(pages, total - n, S) if cpu and 1 < n < total else None
+                if runs is not None and len(runs) <= MAX_PREFIX_RUNS:  # read in place
+                    new_slots = torch.tensor(slots[first_row:], dtype=torch.long)
+                    views.append(_ContextView(0, total, None, None, runs, new_slots))
+                    continue
                 page_idx = torch.tensor(pages[:used], dtype=torch.long)
                 flat = (page_idx[:, None] * S + torch.arange(S)).reshape(-1)[:total]
-                runs = new_slots = None
-                if cpu and 1 < n < total:
-                    runs = _prefix_runs(pages, total - n, S)
-                    if len(runs) <= MAX_PREFIX_RUNS:
-                        new_slots = torch.tensor(slots[first_row:], dtype=torch.long)
-                    else:
-                        runs = None
-                views.append(
-                    _ContextView(0, total, flat.to(device), page_idx.to(device), runs, new_slots)
-                )
+                views.append(_ContextView(0, total, flat.to(device), page_idx.to(device)))
         self._batch = batch
         self._slots = torch.tensor(slots, dtype=torch.long, device=device)
         self._views = views
