@@ -54,6 +54,13 @@ def test_draw_follows_the_weights_and_never_picks_a_zero():
     torch.testing.assert_close(counts / counts.sum(), weights / weights.sum(), atol=0.02, rtol=0)
 
 
+def test_draw_never_picks_a_trailing_zero_when_the_uniform_rounds_onto_the_total(monkeypatch):
+    """u = rand * total can round up onto the total: the draw is then the last nonzero
+    weight, not the last index."""
+    monkeypatch.setattr(torch, "rand", lambda *a, dtype=None, **k: torch.ones(1, dtype=dtype))
+    assert draw(torch.tensor([0.0, 2.0, 1.0, 0.0, 0.0]), None) == 2
+
+
 def test_a_seed_fixes_the_draws():
     logits = torch.randn(49152, generator=torch.Generator().manual_seed(2))
     params = SamplingParams(temperature=0.7, top_p=0.9)

@@ -79,8 +79,7 @@ class _ContextView:
     gather: torch.Tensor | None  # [L] flat slot indices when not contiguous
     pages: torch.Tensor | None = None  # [n] page indices when not contiguous
     # A prefill chunk after a cached prefix, on a CPU: the prefix as runs of consecutive
-    # pages (first flat slot, tokens), attended part by part; the new tokens' slots when
-    # the context is scattered (else they follow the one run)
+    # pages (first flat slot, tokens), attended part by part, and the new tokens' slots
     prefix_runs: tuple[tuple[int, int], ...] | None = None
     new_slots: torch.Tensor | None = None
 
@@ -154,8 +153,6 @@ class PagedAttention:
             for pos in range(total - n, total):
                 slots.append(pages[pos // S] * S + pos % S)
             used = (total + S - 1) // S
-            first = pages[0]
-            one_run = all(pages[j] == first + j for j in range(used))
             if native and n == 1:
                 native_rows.extend(range(first_row, first_row + n))
                 native_q_starts.append(len(native_rows))
@@ -164,16 +161,16 @@ class PagedAttention:
                 native_contexts.append(total)
                 views.append(None)
                 continue
-            if one_run:
-                by_runs = cpu and 1 < n < total and MAX_PREFIX_RUNS > 0
-                runs = ((first * S, total - n),) if by_runs else None
-                views.append(_ContextView(first * S, total, None, None, runs))
-            else:
-                runs = _prefix_runs(pages, total - n, S) if cpu and 1 < n < total else None
-                if runs is not None and len(runs) <= MAX_PREFIX_RUNS:  # read in place
+            if cpu and 1 < n < total and MAX_PREFIX_RUNS > 0:  # a chunk after a prefix
+                runs = _prefix_runs(pages, total - n, S)
+                if len(runs) <= MAX_PREFIX_RUNS:  # read in place
                     new_slots = torch.tensor(slots[first_row:], dtype=torch.long)
                     views.append(_ContextView(0, total, None, None, runs, new_slots))
                     continue
+            first = pages[0]
+            if all(pages[j] == first + j for j in range(used)):
+                views.append(_ContextView(first * S, total, None))
+            else:
                 page_idx = torch.tensor(pages[:used], dtype=torch.long)
                 flat = (page_idx[:, None] * S + torch.arange(S)).reshape(-1)[:total]
                 views.append(_ContextView(0, total, flat.to(device), page_idx.to(device)))
@@ -451,7 +448,7 @@ class PagedAttention:
         merged by their log-sum-exps: the same result as one masked call over the whole
         context, to the rounding of the compute dtype.
         """
-        assert view.prefix_runs is not None
+        assert view.prefix_runs is not None and view.new_slots is not None
         n, Hq, D = q.shape
         Hkv = self.num_kv_heads
         group = Hq // Hkv
@@ -465,14 +462,7 @@ class PagedAttention:
             o, lse = _flash_with_lse(rows, ks, vs)
             outs.append(o)
             lses.append(lse)
-        if view.new_slots is not None:
-            k_new, v_new = (
-                self._gather(k_flat, view.new_slots),
-                self._gather(v_flat, view.new_slots),
-            )
-        else:  # the new tokens follow the prefix's one run
-            tail = _ContextView(view.prefix_runs[0][0] + view.prefix_runs[0][1], n, None)
-            k_new, v_new = self._context(k_flat, tail), self._context(v_flat, tail)
+        k_new, v_new = self._gather(k_flat, view.new_slots), self._gather(v_flat, view.new_slots)
 
         def heads(x: torch.Tensor) -> torch.Tensor:  # [n, Hkv, D] -> [1, Hq, n, D]
             return x.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)

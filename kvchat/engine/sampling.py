@@ -56,7 +56,9 @@ def draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     cumulative = torch.cumsum(weights, dim=-1)
     u = torch.rand(1, generator=generator, dtype=cumulative.dtype) * cumulative[-1]
     index = int(torch.searchsorted(cumulative, u, right=True))
-    return min(index, weights.shape[-1] - 1)  # u rounding up onto the total
+    if index < weights.shape[-1]:
+        return index
+    return int(weights.nonzero()[-1])  # u rounded up onto the total: the last nonzero weight
 
 
 NUCLEUS_FIRST_GUESS = 64  # tokens: a chat model's nucleus at top-p 0.9 is usually smaller
