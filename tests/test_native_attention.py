@@ -95,6 +95,8 @@ CASES = [
     ((20, 1), (700, 33)),
     ((40,), (40,)),
     ((5, 1, 70), (21, 530, 90)),
+    # two new tokens: few rows (6) whose causal bounds differ, ending mid-tile
+    ((2, 1), (50, 259)),
 ]
 
 

@@ -22,6 +22,14 @@
 // produced (-ffast-math assumes none): masked scores are excluded by bounds, not -inf.
 // A decode step's new K/V can come with the call: they are stored at their slots
 // first (a copy, bf16/fp32 stores), which saves the caller four ops a layer.
+//
+// Decodes over bf16 K/V on a CPU with AVX512-BF16 take `run_few_bf16`: scores by bf16
+// pair products (exact) summed in fp32, 16 tokens' sums at once, V widened once a token
+// for every row, and the next tile's K/V rows prefetched. A long context is read from
+// memory, not cache, in a real step (the weights pass through between layers), so the
+// prefetch matters as much as the arithmetic. Measured (decode steps of the default
+// model, interleaved with the previous kernel): 27.5 vs 29.6 ms at 6k tokens of
+// context, 19.0 vs 19.5 ms at 3k, 44.4 vs 45.4 ms for 8 decodes at 1k.
 // Compiled on first use by kvchat/native/build.py.
 
 #include <ATen/Parallel.h>
@@ -39,6 +47,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -104,6 +113,26 @@ inline V16 vselect_le(V16 x, V16 y, V16 a, V16 b) {
 }
 template <typename T>
 inline V16 vconvert(const T* p) { V16 r; for (int i = 0; i < 16; ++i) r.x[i] = kvchat::widen(p[i]); return r; }
+#endif
+
+#if defined(__AVX512BF16__)
+// Lane j of the result: the sum of a[j]'s 16 lanes (16 horizontal sums as one transpose).
+inline __m512 sum_each16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                                  _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
+                                  _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
 #endif
 
 using kvchat::narrow;
@@ -241,6 +270,100 @@ struct Kernel {
     }
   }
 
+
+#if defined(__AVX512BF16__)
+  // Few rows over bf16 K/V (a decode's query heads of one kv head), R known at compile
+  // time so every row's accumulator stays in registers. Scores of 16 tokens at a time:
+  // bf16 pair products summed in fp32 (vdpbf16ps, the products exact), the 16 tokens'
+  // sums turned into one vector by a transpose; V widened once a token for all rows.
+  // The next tile's K/V rows are prefetched while this one computes.
+  template <int R>
+  void run_few_bf16(const WorkItem& w, float* scratch) const {
+    constexpr int kPairs = D / 32;  // 32 bf16 a vector
+    const int64_t n = q_starts[w.seq + 1] - q_starts[w.seq];
+    const int64_t L = ctx_lens[w.seq];
+    const int64_t mask = (int64_t{1} << page_shift) - 1;
+    const int64_t* seq_pages = pages + page_starts[w.seq];
+    __m512bh qv[R][kPairs];
+    int64_t pos[R];
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = w.row0 + r;
+      const int64_t tok = row / group;
+      const int64_t head_q = w.head * group + row % group;
+      const QT* src = q + (q_starts[w.seq] + tok) * q_row_stride + head_q * q_head_stride;
+      for (int c = 0; c < kPairs; ++c)
+        qv[r][c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(src + 32 * c));
+      pos[r] = L - n + tok;
+    }
+    float mx[R], sum[R];
+    V16 acc[R][kVecs];
+    for (int r = 0; r < R; ++r) {
+      mx[r] = kNoScore;
+      sum[r] = 0.f;
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = vset1(0.f);
+    }
+    const V16 scale_v = vset1(scale), no_score = vset1(kNoScore);
+    const int64_t t_end = std::min(w.t1, pos[R - 1] + 1);  // rows are in position order
+    alignas(64) float p[R][16];
+    const KT* krow[16];
+    const KT* vrow[16];
+    for (int64_t t0 = w.t0; t0 < t_end; t0 += 16) {
+      const int64_t T = std::min<int64_t>(16, t_end - t0);
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t t = t0 + std::min(j, T - 1);  // past the end: a real row, masked out
+        const int64_t s = ((seq_pages[t >> page_shift] << page_shift) + (t & mask)) * hkv + w.head;
+        krow[j] = k + s * D;
+        vrow[j] = v + s * D;
+      }
+      for (int64_t t = t0 + 16; t < std::min(t0 + 32, t_end); ++t) {
+        const int64_t s = ((seq_pages[t >> page_shift] << page_shift) + (t & mask)) * hkv + w.head;
+        for (int64_t b = 0; b < int64_t(D * sizeof(KT)); b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(k + s * D) + b);
+          __builtin_prefetch(reinterpret_cast<const char*>(v + s * D) + b);
+        }
+      }
+      V16 corr[R];
+      for (int r = 0; r < R; ++r) {
+        V16 dots[16];
+        for (int j = 0; j < 16; ++j) {
+          V16 a = _mm512_dpbf16_ps(vset1(0.f), qv[r][0],
+                                   (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(krow[j])));
+          for (int c = 1; c < kPairs; ++c)
+            a = _mm512_dpbf16_ps(
+                a, qv[r][c],
+                (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(krow[j] + 32 * c)));
+          dots[j] = a;
+        }
+        const int64_t visible = std::max<int64_t>(0, std::min(T, pos[r] - t0 + 1));
+        const __mmask16 keep = static_cast<__mmask16>((uint32_t{1} << visible) - 1);
+        const V16 sc = _mm512_mask_blend_ps(keep, no_score, vmul(sum_each16(dots), scale_v));
+        const float m_new = std::max(mx[r], vhmax(sc));
+        const V16 e = _mm512_maskz_mov_ps(keep, vexp(vsub(sc, vset1(m_new))));
+        corr[r] = vexp(vset1(mx[r] - m_new));  // inline: a call would spill every register
+        mx[r] = m_new;
+        sum[r] = sum[r] * _mm512_cvtss_f32(corr[r]) + vsum(e);
+        vstore(p[r], e);
+      }
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < kVecs; ++c) acc[r][c] = vmul(acc[r][c], corr[r]);
+      for (int64_t j = 0; j < T; ++j) {
+        V16 vv[kVecs];
+        for (int c = 0; c < kVecs; ++c) vv[c] = vconvert(vrow[j] + 16 * c);
+        for (int r = 0; r < R; ++r) {
+          const V16 pj = vset1(p[r][j]);
+          for (int c = 0; c < kVecs; ++c) acc[r][c] = vfma(pj, vv[c], acc[r][c]);
+        }
+      }
+    }
+    float* out = scratch + w.scratch;  // acc [R, D], max [R], sum [R]
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < kVecs; ++c) vstore(out + r * D + 16 * c, acc[r][c]);
+      out[R * D + r] = mx[r];
+      out[R * D + R + r] = sum[r];
+    }
+  }
+#endif
+
   // Few rows (a decode's query heads of one kv head): each row's score for a token is
   // one dot product over the head dimension.
   void run(const WorkItem& w, float* scratch) const {
@@ -249,6 +372,22 @@ struct Kernel {
         run_lanes(w, r0, std::min<int64_t>(16, w.rows - r0), scratch);
       return;
     }
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KT, c10::BFloat16> &&
+                  D % 32 == 0) {
+      switch (w.rows) {
+        case 1: return run_few_bf16<1>(w, scratch);
+        case 2: return run_few_bf16<2>(w, scratch);
+        case 3: return run_few_bf16<3>(w, scratch);
+        case 4: return run_few_bf16<4>(w, scratch);
+        case 5: return run_few_bf16<5>(w, scratch);
+        case 6: return run_few_bf16<6>(w, scratch);
+        case 7: return run_few_bf16<7>(w, scratch);
+        case 8: return run_few_bf16<8>(w, scratch);
+        default: break;
+      }
+    }
+#endif
     const int64_t n = q_starts[w.seq + 1] - q_starts[w.seq];
     const int64_t L = ctx_lens[w.seq];
     const int64_t R = w.rows;
@@ -283,6 +422,20 @@ struct Kernel {
       for (int64_t j = 0; j < T; ++j) {
         const int64_t t = t0 + j;
         slots[j] = (seq_pages[t >> page_shift] << page_shift) + (t & mask);
+      }
+      {  // the next tile's K/V rows, fetched while this tile computes
+        const int64_t n0 = t0 + kTile;
+        const int64_t nT = std::min(kTile, t_end - n0);
+        for (int64_t j = 0; j < nT; ++j) {
+          const int64_t t = n0 + j;
+          const int64_t s = (seq_pages[t >> page_shift] << page_shift) + (t & mask);
+          const char* kp = reinterpret_cast<const char*>(k + (s * hkv + w.head) * D);
+          const char* vp = reinterpret_cast<const char*>(v + (s * hkv + w.head) * D);
+          for (int64_t b = 0; b < int64_t(D * sizeof(KT)); b += 64) {
+            __builtin_prefetch(kp + b);
+            __builtin_prefetch(vp + b);
+          }
+        }
       }
       for (int64_t j = 0; j < T; ++j) load_row(k, k_scale, slots[j], w.head, krow[j]);
       for (int64_t r = 0; r < R; ++r) {
