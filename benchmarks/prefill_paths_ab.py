@@ -6,8 +6,8 @@ reads a cached prefix.
 Two comparisons on the default model, each variant's runs interleaved with the others'
 (the order reversed every round) so the machine's drift hits all alike; medians printed:
 
-1. budget: one prompt of `--prompt` tokens alone, prefilled in chunks of 512, 1,024
-   and 2,048 tokens (`EngineConfig.step_token_budget`; one engine per budget).
+1. budget: one prompt of `--prompt` tokens alone, prefilled in chunks of 1,024, 2,048
+   and 3,072 tokens (`EngineConfig.step_token_budget`; one engine per budget).
 2. prefix: two conversations of `--history` tokens, A then B, then 20 new tokens on A,
    stepped back to back as the bench does (no idle step, so nothing is defragmented and
    A's new page lies after B's): the follow-up's step with the prefix read run by run
@@ -17,6 +17,7 @@ Two comparisons on the default model, each variant's runs interleaved with the o
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -33,18 +34,15 @@ CACHE = dict(device_cache_bytes=600 << 20, host_cache_bytes=0)
 
 
 class _Tokens:
-    """Fresh token ids for every run (a cache hit would time nothing)."""
+    """Fresh random token ids for every run (a cache hit would time nothing; sequential
+    ids wrapped around the vocabulary after a few long prompts and repeated them)."""
 
-    def __init__(self, vocab: int) -> None:
+    def __init__(self, vocab: int, seed: int = 0) -> None:
         self.vocab = vocab
-        self.next = 100
+        self.rng = random.Random(seed)
 
     def take(self, n: int) -> tuple[int, ...]:
-        if self.next + n >= self.vocab:
-            self.next = 100
-        ids = tuple(range(self.next, self.next + n))
-        self.next += n + 7
-        return ids
+        return tuple(self.rng.randrange(100, self.vocab) for _ in range(n))
 
 
 def prefill(engine: Engine, prompt: Sequence[int]) -> float:
@@ -87,7 +85,7 @@ def main() -> None:
     tokens = _Tokens(model.config.vocab_size)
 
     budgets = {b: Engine(model, EngineConfig(step_token_budget=b, **CACHE), start=False)
-               for b in (512, 1024, 2048)}  # fmt: skip
+               for b in (1024, 2048, 3072)}  # fmt: skip
 
     def budget_run(b: int) -> Callable[[], float]:
         def run() -> float:

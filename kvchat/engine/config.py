@@ -24,12 +24,15 @@ class EngineConfig:
     max_batch: int = 16  # sequences in one step
     # Tokens per step: decodes first, prefill chunks fill the rest. Large, because oneDNN's
     # bf16 matmuls are ~1.7x cheaper a row at 2,048 rows than at 512 on the 2-core target
-    # (all linears of the default model: 118-129 vs 194-214 us a row). A 3,049-token
-    # prompt alone, medians of 6 interleaved: chunks of 2,048 2.03 s vs 512 2.52 s; in a
-    # second run, 2,048 2.37 s vs 1,024 2.72 s vs one chunk 2.10 s. Streams are protected
-    # by the caps below, not by this; a prompt that arrives during another's long
-    # prefill waits for one step of up to ~1.3 s.
-    step_token_budget: int = 2048
+    # (all linears of the default model: 118-129 vs 194-214 us a row), and because a
+    # prompt taken in one chunk is attended by one causal call instead of chunk by chunk
+    # over a prefix. Medians of 6 interleaved (`benchmarks/prefill_paths_ab.py`): a
+    # 3,049-token prompt alone 1.35 s in one chunk of 3,072, 1.45 s in chunks of 2,048,
+    # 1.63 s of 1,024; in another run with 4,096 too, a 6,144-token prompt took 3.76 /
+    # 3.94 / 3.79 s in chunks of 3,072 / 2,048 / 4,096. Streams are protected by the
+    # caps below, not by this; a prompt that arrives during another's long prefill, with
+    # nothing streaming, waits for one step of up to ~1.3 s (3,072 tokens on this CPU).
+    step_token_budget: int = 3072
     # While other requests are decoding, prefill chunks are capped at this many tokens a step,
     # so a long prompt slows their streams by a bounded factor (W3): measured on the 2-core
     # target (W3: a 4k-token ingest beside 3 streams), the streams' p99 inter-token latency
