@@ -53,7 +53,7 @@ class BenchPlan:
     w2_sessions: int = 8
     w2_tokens: int = 128
     w3_ingest_tokens: int = 4000
-    w3_baseline_tokens: int = 64
+    w3_baseline_tokens: int = 160  # each stream, alone, before and again after the ingest
     notes: tuple[str, ...] = ()
 
 
