@@ -252,6 +252,51 @@ def test_non_finite_logits_fail_only_their_request_with_a_clear_message(tiny, mo
     assert finished.reason == FinishReason.LENGTH and len(finished.generated_ids) == 4
 
 
+def test_an_idle_engine_faults_its_kv_store_in_slices_and_yields_to_a_new_request(
+    tiny, monkeypatch
+):
+    """Idle steps touch the store `TOUCH_BYTES_PER_STEP` at a time, lowest pages first; a
+    request that arrives meanwhile is computed on the very next step; once the whole
+    store is touched an idle step does nothing, and the outputs are what they were."""
+    from kvchat.engine import engine as engine_module
+    from kvchat.engine.config import EngineConfig
+    from kvchat.engine.engine import Engine
+    from kvchat.engine.kv_store import kv_bytes_per_token
+
+    c = tiny.config
+    per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, tiny.dtype)
+    page_bytes = 16 * per_token
+    monkeypatch.setattr(engine_module, "TOUCH_BYTES_PER_STEP", 3 * page_bytes)
+    config = EngineConfig(device_cache_bytes=20 * page_bytes, host_cache_bytes=0, page_size=16)
+    prompt = tuple(range(3, 43))
+    with Engine(tiny, config, start=False) as engine:
+        touched: list[tuple[int, int]] = []
+        real_touch = engine.store.touch
+        monkeypatch.setattr(
+            engine.store, "touch", lambda a, b: (touched.append((a, b)), real_touch(a, b))
+        )
+        assert engine.step() is True and touched == [(0, 3)]
+        got = Collector()
+        engine.submit(GenerationRequest(prompt, max_tokens=4, ignore_eos=True), got)
+        engine.step()
+        assert len(touched) == 1, "the new request waited for the store to be touched"
+        while not got.done.is_set():
+            engine.step()
+        while engine.step():
+            pass
+        assert engine.step() is False
+        starts = [a for a, _ in touched]
+        assert starts == sorted(starts) and touched[-1][1] == engine.store.num_pages
+        assert all(b - a <= 3 for a, b in touched)
+        assert sum(b - a for a, b in touched) == engine.store.num_pages
+    with Engine(tiny, config, start=False) as fresh:  # never idle before the request
+        again = Collector()
+        fresh.submit(GenerationRequest(prompt, max_tokens=4, ignore_eos=True), again)
+        while not again.done.is_set():
+            fresh.step()
+    assert got.wait().generated_ids == again.wait().generated_ids
+
+
 def test_idle_defragmentation_runs_in_slices_and_yields_to_a_new_request(tiny, monkeypatch):
     """The idle engine moves at most `DEFRAG_PAGES_PER_STEP` pages a step: a request that
     arrives meanwhile is computed on the very next step, and the pass finishes after it."""

@@ -121,3 +121,19 @@ def test_tensors_follow_the_page_table_through_eviction_and_restore() -> None:
     assert table.residency(a).host > 0
     turn(3, [*a, 1, 2])
     assert table.stats().cached_host > 0
+
+
+@pytest.mark.parametrize("kv_format", ["native", "int8"])
+def test_touch_faults_pages_in_without_changing_a_byte(kv_format: str) -> None:
+    """The engine's idle touch runs over live pages too: every byte must stay as it was."""
+    dev = DeviceKVStore(L, P, S, H, D, torch.bfloat16, "cpu", kv_format=kv_format)
+    gen = torch.Generator().manual_seed(1)
+    for part in dev.parts:
+        part.view(torch.uint8).copy_(torch.randint(0, 256, part.view(torch.uint8).shape,
+                                                   generator=gen, dtype=torch.uint8))  # fmt: skip
+    before = [part.clone() for part in dev.parts]
+    dev.touch(1, 4)
+    dev.touch(0, P)
+    for part, old in zip(dev.parts, before, strict=True):
+        assert torch.equal(part.view(torch.uint8), old.view(torch.uint8))
+    assert dev.page_bytes() * P == dev.nbytes()

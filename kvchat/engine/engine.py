@@ -58,6 +58,9 @@ RATE_WINDOW_S = 5.0
 # slices 8-28 ms in 39 of 46, up to 288 ms when the destination memory was touched for
 # the first time (its page faults).
 DEFRAG_PAGES_PER_STEP = 16
+# After that, an idle step on a CPU faults in this much of the KV store that no step has
+# touched yet (`DeviceKVStore.touch`), so later prefills do not pay for it.
+TOUCH_BYTES_PER_STEP = 32 << 20
 
 
 class Engine:
@@ -118,6 +121,8 @@ class Engine:
         )  # (time, decode tokens, prefill tokens)
         self._defragmented = True
         self._defragmenting = False  # a pass cut into slices is under way
+        # pages below this were faulted in by idle steps (CPU stores; others need nothing)
+        self._touched_pages = 0 if self.store.device.type == "cpu" else self.store.num_pages
         self._stats = EngineStats(page_size=ps)
         self._publish_stats()
         self._thread = threading.Thread(target=self._loop, name="kvchat-engine", daemon=True)
@@ -235,9 +240,11 @@ class Engine:
     def step(self) -> bool:
         """Run one step; False when there was nothing to do.
 
-        An idle step defragments the page table in slices (`DEFRAG_PAGES_PER_STEP`) and
-        counts as work while pages are still moving.
+        An idle step defragments the page table in slices (`DEFRAG_PAGES_PER_STEP`), then
+        faults in the KV store's memory in slices (`TOUCH_BYTES_PER_STEP`), and counts as
+        work while either is under way, so the loop looks at the inbox between slices.
         """
+        touch: tuple[int, int] | None = None
         with self._lock:
             self._drain_inbox()
             plan = self.scheduler.schedule()
@@ -260,14 +267,23 @@ class Engine:
                         self._publish_stats()
                         return True
                 self._publish_stats()
-                return False
-            self._defragmented = False
-            self._defragmenting = False  # work came: the next idle pass starts afresh
-            for seq, reservation in plan.admitted:
-                self._on_admitted(seq, reservation)
-            for seq in plan.preempted:
-                seq.state = RequestState.PREEMPTED
-            batch, page_lists = self._build_batch(plan)
+                if self._touched_pages >= self.store.num_pages:
+                    return False
+                per_step = max(1, TOUCH_BYTES_PER_STEP // self.store.page_bytes())
+                end = min(self.store.num_pages, self._touched_pages + per_step)
+                touch = (self._touched_pages, end)
+                self._touched_pages = end
+            else:
+                self._defragmented = False
+                self._defragmenting = False  # work came: the next idle pass starts afresh
+                for seq, reservation in plan.admitted:
+                    self._on_admitted(seq, reservation)
+                for seq in plan.preempted:
+                    seq.state = RequestState.PREEMPTED
+                batch, page_lists = self._build_batch(plan)
+        if touch is not None:  # outside the lock: submit() never waits for page faults
+            self.store.touch(*touch)
+            return True
         started = time.perf_counter()
         try:
             self.attention.prepare(batch, page_lists)

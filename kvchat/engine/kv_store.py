@@ -129,6 +129,29 @@ class DeviceKVStore:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.parts)
 
+    def page_bytes(self) -> int:
+        """Bytes one page holds across every layer and tensor."""
+        return self.nbytes() // self.num_pages
+
+    def touch(self, first: int, last: int) -> None:
+        """Fault in the memory of pages [first, last) without changing a byte.
+
+        Why: the store is allocated empty (see `__init__`), so the OS maps its memory at
+        the first write, in the middle of a prefill; in 2 MiB pages that can include
+        compacting memory to find one. Measured on the 2-core target: a 3,049-token
+        prompt's first prefill on a fresh 1 GiB store took 1.66 s, 1.35 s on a touched one
+        (medians of 6, interleaved). So an idle engine touches its whole store, a slice a
+        step, within seconds of launch, committing the RAM the device cache was sized to.
+        Every 4 KiB is read and written back (adding zero), so live pages keep their
+        contents; only the engine's thread, which is the only writer, calls this.
+        """
+        if self.device.type != "cpu" or first >= last:
+            return
+        for part in self.parts:
+            for layer in range(self.num_layers):
+                region = part[layer, first:last].reshape(-1).view(torch.uint8)
+                region[::4096].add_(0)
+
 
 class HostKVStore:
     """Host slots for evicted full pages, in CPU memory (pinned when the device is CUDA)."""
