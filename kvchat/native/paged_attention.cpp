@@ -165,6 +165,19 @@ struct Kernel {
   int64_t page_shift, hkv, hq, group;
   float scale;
 
+  // The store slot of context token t of a sequence whose page list is `seq_pages`.
+  inline int64_t slot(const int64_t* seq_pages, int64_t t) const {
+    return (seq_pages[t >> page_shift] << page_shift) + (t & ((int64_t{1} << page_shift) - 1));
+  }
+
+  // Row `row` of item w's rows: its query (D values) and the last context position it sees.
+  inline const QT* query_row(const WorkItem& w, int64_t row, int64_t& pos) const {
+    const int64_t tok = row / group;
+    const int64_t head_q = w.head * group + row % group;
+    pos = ctx_lens[w.seq] - (q_starts[w.seq + 1] - q_starts[w.seq]) + tok;
+    return q + (q_starts[w.seq] + tok) * q_row_stride + head_q * q_head_stride;
+  }
+
   // One context token's K or V row for `head`, as floats.
   inline void load_row(const KT* base, const QT* scales, int64_t s, int64_t head,
                        float* __restrict out) const {
@@ -181,10 +194,7 @@ struct Kernel {
   // is broadcast against 16 rows' queries, the softmax runs across rows lane by lane,
   // and nothing is transposed or reduced horizontally. Rows [r0, r0 + lanes) of `w`.
   void run_lanes(const WorkItem& w, int64_t r0, int64_t lanes, float* scratch) const {
-    const int64_t n = q_starts[w.seq + 1] - q_starts[w.seq];
-    const int64_t L = ctx_lens[w.seq];
     const int64_t R = w.rows;
-    const int64_t mask = (int64_t{1} << page_shift) - 1;
     const int64_t* seq_pages = pages + page_starts[w.seq];
     alignas(64) float qt[D][16] = {};  // queries transposed, prescaled; unused lanes zero
     alignas(64) float posf[16];
@@ -194,12 +204,8 @@ struct Kernel {
         posf[i] = -1.f;  // sees nothing
         continue;
       }
-      const int64_t row = w.row0 + r0 + i;
-      const int64_t tok = row / group;
-      const int64_t head_q = w.head * group + row % group;
-      const QT* src = q + (q_starts[w.seq] + tok) * q_row_stride + head_q * q_head_stride;
+      const QT* src = query_row(w, w.row0 + r0 + i, last_pos);
       for (int d = 0; d < D; ++d) qt[d][i] = widen(src[d]) * scale;
-      last_pos = L - n + tok;
       posf[i] = static_cast<float>(last_pos);
     }
     const V16 pos = vload(posf);
@@ -214,7 +220,7 @@ struct Kernel {
       const int64_t T = std::min(kTile, t_end - t0);
       for (int64_t j = 0; j < T; ++j) {
         const int64_t t = t0 + j;
-        const int64_t s = (seq_pages[t >> page_shift] << page_shift) + (t & mask);
+        const int64_t s = slot(seq_pages, t);
         load_row(k, k_scale, s, w.head, krow[j]);
         load_row(v, v_scale, s, w.head, vrow[j]);
       }
@@ -280,20 +286,13 @@ struct Kernel {
   template <int R>
   void run_few_bf16(const WorkItem& w, float* scratch) const {
     constexpr int kPairs = D / 32;  // 32 bf16 a vector
-    const int64_t n = q_starts[w.seq + 1] - q_starts[w.seq];
-    const int64_t L = ctx_lens[w.seq];
-    const int64_t mask = (int64_t{1} << page_shift) - 1;
     const int64_t* seq_pages = pages + page_starts[w.seq];
     __m512bh qv[R][kPairs];
     int64_t pos[R];
     for (int r = 0; r < R; ++r) {
-      const int64_t row = w.row0 + r;
-      const int64_t tok = row / group;
-      const int64_t head_q = w.head * group + row % group;
-      const QT* src = q + (q_starts[w.seq] + tok) * q_row_stride + head_q * q_head_stride;
+      const QT* src = query_row(w, w.row0 + r, pos[r]);
       for (int c = 0; c < kPairs; ++c)
         qv[r][c] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(src + 32 * c));
-      pos[r] = L - n + tok;
     }
     float mx[R], sum[R];
     V16 acc[R][kVecs];
@@ -311,12 +310,12 @@ struct Kernel {
       const int64_t T = std::min<int64_t>(16, t_end - t0);
       for (int64_t j = 0; j < 16; ++j) {
         const int64_t t = t0 + std::min(j, T - 1);  // past the end: a real row, masked out
-        const int64_t s = ((seq_pages[t >> page_shift] << page_shift) + (t & mask)) * hkv + w.head;
+        const int64_t s = slot(seq_pages, t) * hkv + w.head;
         krow[j] = k + s * D;
         vrow[j] = v + s * D;
       }
       for (int64_t t = t0 + 16; t < std::min(t0 + 32, t_end); ++t) {
-        const int64_t s = ((seq_pages[t >> page_shift] << page_shift) + (t & mask)) * hkv + w.head;
+        const int64_t s = slot(seq_pages, t) * hkv + w.head;
         for (int64_t b = 0; b < int64_t(D * sizeof(KT)); b += 64) {
           __builtin_prefetch(reinterpret_cast<const char*>(k + s * D) + b);
           __builtin_prefetch(reinterpret_cast<const char*>(v + s * D) + b);
@@ -388,21 +387,14 @@ struct Kernel {
       }
     }
 #endif
-    const int64_t n = q_starts[w.seq + 1] - q_starts[w.seq];
-    const int64_t L = ctx_lens[w.seq];
     const int64_t R = w.rows;
-    const int64_t mask = (int64_t{1} << page_shift) - 1;
     const int64_t* seq_pages = pages + page_starts[w.seq];
     // Query rows as floats, prescaled; each row's position is the last token it may see.
     alignas(64) float qf[kFewRows][D];
     int64_t pos[kFewRows];
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t row = w.row0 + r;
-      const int64_t tok = row / group;
-      const int64_t head_q = w.head * group + row % group;
-      const QT* src = q + (q_starts[w.seq] + tok) * q_row_stride + head_q * q_head_stride;
+      const QT* src = query_row(w, w.row0 + r, pos[r]);
       for (int d = 0; d < D; ++d) qf[r][d] = widen(src[d]) * scale;
-      pos[r] = L - n + tok;
     }
     float* acc = scratch + w.scratch;  // [R, D]
     float* mx = acc + R * D;           // [R]
@@ -421,14 +413,14 @@ struct Kernel {
       int64_t slots[kTile];
       for (int64_t j = 0; j < T; ++j) {
         const int64_t t = t0 + j;
-        slots[j] = (seq_pages[t >> page_shift] << page_shift) + (t & mask);
+        slots[j] = slot(seq_pages, t);
       }
       {  // the next tile's K/V rows, fetched while this tile computes
         const int64_t n0 = t0 + kTile;
         const int64_t nT = std::min(kTile, t_end - n0);
         for (int64_t j = 0; j < nT; ++j) {
           const int64_t t = n0 + j;
-          const int64_t s = (seq_pages[t >> page_shift] << page_shift) + (t & mask);
+          const int64_t s = slot(seq_pages, t);
           const char* kp = reinterpret_cast<const char*>(k + (s * hkv + w.head) * D);
           const char* vp = reinterpret_cast<const char*>(v + (s * hkv + w.head) * D);
           for (int64_t b = 0; b < int64_t(D * sizeof(KT)); b += 64) {
