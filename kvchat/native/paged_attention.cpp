@@ -531,9 +531,20 @@ void attend_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   int64_t work = 0;
   for (const WorkItem& w : items) work += (w.t1 - w.t0) * w.rows;
   const int64_t n_items = static_cast<int64_t>(items.size());
+  // Run order: a context split's kv heads one after another on one thread. A token's K (and
+  // V) rows of all heads are adjacent in the store, so the first head's pass streams the
+  // split's bytes in order and the others find them in the core's cache; in the items'
+  // own order (head by head) each thread read every head's rows with gaps between them.
+  std::vector<int64_t> order(static_cast<size_t>(n_items));
+  for (int64_t i = 0; i < n_items; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const WorkItem& x = items[a];
+    const WorkItem& y = items[b];
+    return x.seq != y.seq ? x.seq < y.seq : x.t0 < y.t0;
+  });
   const int64_t grain = work < kParallelWork ? std::max<int64_t>(n_items, 1) : 1;
   at::parallel_for(0, n_items, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) kern.run(items[i], scratch_ptr);
+    for (int64_t i = begin; i < end; ++i) kern.run(items[order[i]], scratch_ptr);
   });
 
   // Merge each row block's splits in split order and write the output rows (on this
