@@ -343,3 +343,27 @@ def test_idle_defragmentation_runs_in_slices_and_yields_to_a_new_request(tiny, m
         assert all(n <= 4 for n in moves)
         for prompt in (range(3, 303), range(5, 205)):  # still cached, all of it
             assert engine.table.residency(tuple(prompt)).device == len(prompt)
+
+
+def test_a_launched_engine_takes_the_objects_alive_at_start_out_of_gc_walks(tiny):
+    """`Engine.launch` freezes what the model load left alive, so collections during steps
+    do not walk the model's objects (see `freeze_long_lived_objects`)."""
+    import gc
+
+    from kvchat.engine.engine import Engine
+
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    from kvchat.engine.config import EngineConfig
+
+    engine = Engine.launch(
+        lambda: tiny, EngineConfig(device_cache_bytes=4 << 20, host_cache_bytes=0)
+    )
+    try:
+        assert gc.get_freeze_count() > 0
+        collector = Collector()
+        engine.submit(GenerationRequest((1, 2, 3), max_tokens=3, ignore_eos=True), collector)
+        assert collector.wait().reason == FinishReason.LENGTH
+    finally:
+        engine.close()
+        gc.unfreeze()

@@ -31,7 +31,7 @@ from kvchat.chat.events import ReplyDelta, ReplyFinished, SessionFailed
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
 from kvchat.engine.config import EngineConfig
-from kvchat.engine.engine import Engine
+from kvchat.engine.engine import Engine, freeze_long_lived_objects
 from kvchat.engine.events import EngineEvent, RequestFinished, TokenGenerated
 from kvchat.engine.kv_store import DeviceKVStore, kv_bytes_per_token
 from kvchat.engine.paged_attention import PagedAttention
@@ -67,6 +67,7 @@ def fresh_engine(model, config: EngineConfig) -> Engine:
     `DeviceKVStore.touch`). A few hundred MB of store take ~1 s, outside every timing."""
     engine = Engine(model, config, start=False)
     engine.run_until_idle()
+    freeze_long_lived_objects()  # as `Engine.launch` does once the app's engine is up
     return engine
 
 
