@@ -140,13 +140,12 @@ template <typename T>
 void silu_mul_row(const T* gate, const T* up, T* out, int64_t width) {
   int64_t j = 0;
 #if defined(__AVX512F__)
-  alignas(64) float s[16];
   const __m512 one = _mm512_set1_ps(1.f), cap = _mm512_set1_ps(88.f);
   for (; j + 16 <= width; j += 16) {
     const __m512 g = kvchat::widen16(gate + j);
     const __m512 e = Sleef_expf16_u10(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), cap));
-    _mm512_store_ps(s, _mm512_div_ps(g, _mm512_add_ps(one, e)));
-    for (int i = 0; i < 16; ++i) out[j + i] = narrow<T>(rounded<T>(s[i]) * widen(up[j + i]));
+    const __m512 s = kvchat::rounded16<T>(_mm512_div_ps(g, _mm512_add_ps(one, e)));
+    kvchat::store16(out + j, _mm512_mul_ps(s, kvchat::widen16(up + j)));
   }
 #endif
   for (; j < width; ++j) out[j] = narrow<T>(rounded<T>(silu(widen(gate[j]))) * widen(up[j]));
