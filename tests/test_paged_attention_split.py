@@ -53,14 +53,20 @@ def test_sliced_decode_attention_equals_the_single_call(monkeypatch, context, dt
         ([1, 0], 16, 16),  # a prefix of exactly one page, the chunk filling the next
         ([3, 4, 5, 6, 7], 40, 30),  # one run of pages: the prefix read as one slice
         ([2, 3], 1, 20),  # a prefix of one token
+        ([4, 5, 0, 1, 8], 10, 50),  # a short prefix in two runs before a long chunk
     ],
 )
+# 10**9: always part by part; 0: always one causal call over the whole context (the path
+# a chunk SHORT_PREFIX_RATIO times longer than its prefix takes)
+@pytest.mark.parametrize("short_prefix_ratio", [10**9, 0])
 def test_a_chunk_read_by_runs_of_pages_equals_one_masked_call(
-    monkeypatch, pages, start, n, dtype, kv
+    monkeypatch, pages, start, n, dtype, kv, short_prefix_ratio
 ) -> None:
     """Runs of pages attended in place, the new tokens causal among themselves, merged by
-    log-sum-exp, equal one masked call over the (gathered) context, and both equal
-    attention written out directly."""
+    log-sum-exp (or, after a short prefix, one causal call over the whole context with the
+    chunk's queries padded to their positions), equal one masked call over the (gathered)
+    context, and both equal attention written out directly."""
+    monkeypatch.setattr(paged_attention, "SHORT_PREFIX_RATIO", short_prefix_ratio)
     g = torch.Generator().manual_seed(start + n)
     store_pages = max(pages) + 1
     k_all = torch.randn(1, store_pages, PAGE, HKV, D, generator=g).to(dtype)
