@@ -25,6 +25,7 @@ from kvchat.engine.config import EngineConfig
 from kvchat.engine.engine import Engine
 from kvchat.engine.request import SamplingParams
 from kvchat.model.loader import load_model
+from kvchat.native import build
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.backend import TuiBackend
 from tests.tui_helpers import ready, wait_until
@@ -119,6 +120,7 @@ async def under_tui() -> float:
 
 
 def main() -> None:
+    build.request(wait=True)  # on a fresh install the kernel compiles first, not mid-run
     a = headless()
     b = asyncio.run(under_tui())
     print(f"headless: {a:.1f} tok/s; under the TUI: {b:.1f} tok/s; ratio {b / a:.2f}")
