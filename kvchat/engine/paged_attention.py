@@ -498,16 +498,14 @@ class PagedAttention:
         assert view.prefix_runs is not None and view.new_slots is not None
         n, Hq, D = q.shape
         offset = view.length - n
-        keys = [
-            self._context(k_flat, _ContextView(first, t, None)) for first, t in view.prefix_runs
-        ]
-        values = [
-            self._context(v_flat, _ContextView(first, t, None)) for first, t in view.prefix_runs
-        ]
-        keys.append(self._gather(k_flat, view.new_slots))
-        values.append(self._gather(v_flat, view.new_slots))
-        ks = torch.cat(keys).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-        vs = torch.cat(values).transpose(0, 1).unsqueeze(0)
+        runs = [_ContextView(first, tokens, None) for first, tokens in view.prefix_runs]
+
+        def whole(flat: _FlatKV) -> torch.Tensor:  # the prefix's runs, then the new tokens
+            parts = [self._context(flat, run) for run in runs]
+            parts.append(self._gather(flat, view.new_slots))
+            return torch.cat(parts).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+
+        ks, vs = whole(k_flat), whole(v_flat)
         padded = torch.cat([q.new_zeros(offset, Hq, D), q]) if offset else q
         o = F.scaled_dot_product_attention(
             padded.transpose(0, 1).unsqueeze(0), ks, vs, is_causal=True, enable_gqa=True
