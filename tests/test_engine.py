@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import random
 import threading
 
 import pytest
 
+from kvchat.engine.config import EngineConfig
+from kvchat.engine.engine import Engine
 from kvchat.engine.events import PrefillProgress, RequestFinished, TokenGenerated
 from kvchat.engine.request import FinishReason, GenerationRequest, SamplingParams
 from kvchat.model.loader import load_model
@@ -348,14 +351,8 @@ def test_idle_defragmentation_runs_in_slices_and_yields_to_a_new_request(tiny, m
 def test_a_launched_engine_takes_the_objects_alive_at_start_out_of_gc_walks(tiny):
     """`Engine.launch` freezes what the model load left alive, so collections during steps
     do not walk the model's objects (see `freeze_long_lived_objects`)."""
-    import gc
-
-    from kvchat.engine.engine import Engine
-
     gc.unfreeze()
     assert gc.get_freeze_count() == 0
-    from kvchat.engine.config import EngineConfig
-
     engine = Engine.launch(
         lambda: tiny, EngineConfig(device_cache_bytes=4 << 20, host_cache_bytes=0)
     )
