@@ -170,14 +170,25 @@ def test_a_sequence_gets_the_same_bits_whatever_it_is_batched_with() -> None:
 
 
 @pytest.mark.usefixtures("kernel")
-@pytest.mark.parametrize("mixed", [False, True])
-def test_paged_attention_gives_the_same_result_with_and_without_the_kernel(mixed) -> None:
+@pytest.mark.parametrize(
+    ("mixed", "chunks_in_kernel", "dtype"),
+    [
+        (False, False, torch.float32),
+        (True, False, torch.float32),
+        (True, True, torch.float32),
+        (True, True, torch.bfloat16),
+    ],
+)
+def test_paged_attention_gives_the_same_result_with_and_without_the_kernel(
+    mixed, chunks_in_kernel, dtype
+) -> None:
     """Decodes through the kernel, in a decode-only step and beside prefill chunks over
-    scattered pages and over one run of pages (flash attention)."""
+    scattered pages and over one run of pages (flash attention, or the kernel too where
+    it serves chunks: one call for the whole step, which stores the new K/V itself)."""
     g = torch.Generator().manual_seed(3)
     layers, pages, page, hkv, group, d = 1, 56, 16, 2, 3, 64
-    k_all = torch.randn(layers, pages, page, hkv, d, generator=g)
-    v_all = torch.randn(layers, pages, page, hkv, d, generator=g)
+    k_all = torch.randn(layers, pages, page, hkv, d, generator=g).to(dtype)
+    v_all = torch.randn(layers, pages, page, hkv, d, generator=g).to(dtype)
     page_lists = [list(range(0, 7)), [20, 19, 18]]
     if mixed:
         runs = [[5], [6], list(range(9, 21)), list(range(3, 15)), list(range(7, 77))]
@@ -191,34 +202,42 @@ def test_paged_attention_gives_the_same_result_with_and_without_the_kernel(mixed
     else:
         runs, starts, kernel_rows = [[5], [6]], [100, 37], [0, 1]
     batch = ForwardBatch.from_runs(runs, starts)
-    q = torch.randn(batch.num_tokens, hkv * group, d, generator=g)
-    k_new = torch.randn(batch.num_tokens, hkv, d, generator=g)
-    v_new = torch.randn(batch.num_tokens, hkv, d, generator=g)
+    q = torch.randn(batch.num_tokens, hkv * group, d, generator=g).to(dtype)
+    k_new = torch.randn(batch.num_tokens, hkv, d, generator=g).to(dtype)
+    v_new = torch.randn(batch.num_tokens, hkv, d, generator=g).to(dtype)
 
     def run(native: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         attention = PagedAttention(k_all.clone(), v_all.clone())
         attention.native_enabled = native
+        attention.native_chunks = chunks_in_kernel
         attention.prepare(batch, page_lists)
         assert (attention._native is not None) == native
-        if native and mixed:
+        if native and mixed and not chunks_in_kernel:
             assert attention._native_rows is not None
             assert attention._native_rows.tolist() == kernel_rows
+        if native and chunks_in_kernel:
+            assert attention._native_rows is None and attention._views == [None] * len(runs)
         return attention(0, q, k_new, v_new), attention.k_all, attention.v_all
 
     out, k_after, v_after = run(True)
     expected, k_expected, v_expected = run(False)
-    assert torch.allclose(out, expected, atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2  # bf16: the outputs' own rounding
+    assert torch.allclose(out.float(), expected.float(), atol=tol, rtol=tol)
     assert torch.equal(k_after, k_expected) and torch.equal(v_after, v_expected)
 
 
 @pytest.mark.usefixtures("kernel")
-def test_engine_greedy_output_is_the_same_with_the_kernel_and_with_sdpa(tiny_llama_dir) -> None:
+@pytest.mark.parametrize("chunks_in_kernel", [False, True])
+def test_engine_greedy_output_is_the_same_with_the_kernel_and_with_sdpa(
+    tiny_llama_dir, chunks_in_kernel
+) -> None:
     model = load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
     assert model.config.head_dim in native_attention.HEAD_DIMS
     prompts = [[3 + (i * 7 + j) % 90 for j in range(10 + 13 * i)] for i in range(4)]
 
     def run(native: bool) -> list[tuple[int, ...]]:
         with small_engine(model, native_attention=native) as engine:
+            engine.attention.native_chunks = chunks_in_kernel
             collectors = [Collector() for _ in prompts]
             for prompt, c in zip(prompts, collectors, strict=True):
                 engine.submit(GenerationRequest(tuple(prompt), max_tokens=40, ignore_eos=True), c)
@@ -260,3 +279,25 @@ def test_the_kernel_can_be_turned_off(monkeypatch) -> None:
 def test_the_start_up_line_names_the_attention_in_use() -> None:
     assert native_build.summary(torch.device("cpu")) == "kvchat's CPU kernel"
     assert native_build.summary(torch.device("cuda")) == "torch SDPA"
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtype", "quantized", "expected"),
+    [
+        ({"avx512f", "avx512_bf16"}, torch.bfloat16, False, True),  # AMD EPYC: the kernel
+        ({"avx512f", "avx512_bf16", "amx_bf16"}, torch.bfloat16, False, False),  # AMX: flash
+        ({"avx512f"}, torch.bfloat16, False, False),  # no bf16 pair products
+        ({"avx512f", "avx512_bf16"}, torch.float32, False, False),
+        ({"avx512f", "avx512_bf16"}, torch.bfloat16, True, False),  # int8 K/V
+    ],
+)
+def test_prefill_chunks_go_to_the_kernel_only_where_it_was_measured_faster(
+    monkeypatch, flags, dtype, quantized, expected
+) -> None:
+    monkeypatch.setattr(native_build, "cpu_flags", lambda: frozenset(flags))
+    assert native_attention.serves_chunks(dtype, quantized) is expected
+
+
+def test_cpu_flags_come_from_the_cpuinfo_line(monkeypatch) -> None:
+    monkeypatch.setattr(native_build, "_cpu_signature", lambda: "flags\t\t: fpu avx512_bf16 sse\n")
+    assert native_build.cpu_flags() == {"fpu", "avx512_bf16", "sse"}

@@ -9,8 +9,10 @@ page table's allocation and defragmentation try to leave them) or with one gathe
 
 On a CPU, once kvchat's own kernel is compiled and loaded (`native_attention`), every
 layer runs ONE kernel call for all the step's decodes, reading K/V in place through
-the page lists; prefill chunks stay on SDPA, which on a CPU reads a cached prefix in
-place too, run of pages by run of pages (`_attend_by_runs`). Without the kernel, and
+the page lists. Prefill chunks join them where the kernel is the faster of the two on
+this CPU (`native_attention.serves_chunks`: bf16 without AMX tiles); elsewhere they stay
+on SDPA, which on a CPU reads a cached prefix in place too, run of pages by run of
+pages (`_attend_by_runs`). Without the kernel, and
 on other devices: decode-only batches run one SDPA call for all sequences (padded and
 masked when there are several; a single sequence with a long context is sliced into a
 batch of parts merged by log-sum-exp, so both cores share the work); prefill chunks
@@ -120,6 +122,8 @@ class PagedAttention:
         self._native: tuple[torch.Tensor, ...] | None = None  # page lists etc. for the kernel
         self._native_rows: torch.Tensor | None = None  # q rows of the kernel's sequences
         self.native_enabled = True  # False: always torch's SDPA (tests compare the two)
+        # prefill chunks through the kernel too (where it is faster on this CPU), not SDPA
+        self.native_chunks = native_attention.serves_chunks(self.compute_dtype, self.quantized)
 
     def uses_native(self) -> bool:
         """Whether this forward's attention goes through kvchat's compiled kernel."""
@@ -132,15 +136,16 @@ class PagedAttention:
 
         With the kernel loaded, it takes the decodes (one query per sequence), where it
         reads a long context with every core, through their page lists: they get no
-        context view (None). Prefill chunks stay on torch's flash attention, whose blocked
-        bf16 products beat the kernel's vector loops once a sequence brings many query rows
-        (`benchmarks/attention_layer.py`: 20 new tokens over 6k of context, 1.09 vs 1.84
-        ms a layer); on a CPU they read their cached prefix run by run, in place
-        (`_attend_by_runs`).
+        context view (None). Prefill chunks go to it too where `native_chunks` says it
+        is faster on this CPU; otherwise they stay on torch's flash attention, whose
+        blocked bf16 products on AMX tiles beat the kernel's vector loops once a sequence
+        brings many query rows, and on a CPU read their cached prefix run by run, in
+        place (`_attend_by_runs`).
         """
         S = self.page_size
         device = self.k_all.device
         native = self.uses_native()
+        native_chunks = native and self.native_chunks
         cpu = device.type == "cpu"  # where torch's flash attention returns log-sum-exps
         slots: list[int] = []
         views: list[_ContextView | None] = []
@@ -156,7 +161,7 @@ class PagedAttention:
             for pos in range(total - n, total):
                 slots.append(pages[pos // S] * S + pos % S)
             used = (total + S - 1) // S
-            if native and n == 1:
+            if native and (n == 1 or native_chunks):
                 native_rows.extend(range(first_row, first_row + n))
                 native_q_starts.append(len(native_rows))
                 native_pages.extend(pages[:used])

@@ -80,6 +80,14 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read):
+    which kernel is fastest for a shape depends on them (`native_attention`)."""
+    line = _cpu_signature()
+    _, _, names = line.partition(":")
+    return frozenset(names.split())
+
+
 def _flags(torch_dir: Path) -> list[str]:
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     return [
