@@ -6,12 +6,14 @@ the session layer alone (what `kvchat run` does), then inside the real `KvchatAp
 streaming, meters refreshing). The figure is aggregate generated tokens per second
 from the first token to the last; the same engine settings both times.
 
-    python benchmarks/tui_throughput.py
+    python benchmarks/tui_throughput.py [--rounds 3]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -120,10 +122,24 @@ async def under_tui() -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
     build.request(wait=True)  # on a fresh install the kernel compiles first, not mid-run
-    a = headless()
-    b = asyncio.run(under_tui())
-    print(f"headless: {a:.1f} tok/s; under the TUI: {b:.1f} tok/s; ratio {b / a:.2f}")
+    runs: dict[str, list[float]] = {"headless": [], "TUI": []}
+    measure = {"headless": headless, "TUI": lambda: asyncio.run(under_tui())}
+    # One run of each is one sample of a machine whose speed drifts by tens of percent
+    # within minutes: the two are interleaved, their order reversed every round, and
+    # compared by medians.
+    for r in range(args.rounds):
+        order = ("headless", "TUI") if r % 2 == 0 else ("TUI", "headless")
+        for name in order:
+            runs[name].append(measure[name]())
+        print(f"round {r + 1}: headless {runs['headless'][-1]:.1f} tok/s, "
+              f"under the TUI {runs['TUI'][-1]:.1f} tok/s", flush=True)  # fmt: skip
+    a, b = statistics.median(runs["headless"]), statistics.median(runs["TUI"])
+    print(f"medians of {args.rounds}: headless {a:.1f} tok/s; under the TUI {b:.1f} tok/s; "
+          f"ratio {b / a:.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -42,15 +42,22 @@ class EngineConfig:
     # ... and further capped at this many (new token x context token) pairs, since a
     # chunk's attention grows with the context it follows (see Scheduler._chunk_cap).
     prefill_work_while_decoding: int = 48 * 1024
-    min_prefill_chunk: int = 8
+    # The smallest chunk the pacer may shrink to. 5 tokens x 3 query heads a kv head are 15
+    # query rows: one 16-row block of the attention kernel, and with three decodes still
+    # under the 10 rows from which the linears switch to dense bf16 weights. At 8 tokens
+    # both thresholds are crossed at once: a mixed step at ~3k tokens of context took 3.6x
+    # a decode-only step (51.8 vs 14.2 ms), at 5 tokens 3.3x (39.3 vs 12.0 ms), and the
+    # ingest moved as fast (`python benchmarks/w3_pacer.py`, AMD EPYC, ninth session).
+    min_prefill_chunk: int = 5
     # Both caps above are then scaled, step by step, so that a step carrying a prefill chunk
     # beside streams takes about this many times a decode-only step (engine/step_pacer.py).
-    # Measured on the 2-core target (W3: 4k-token ingest beside 3 streams; streams' p50/p99
-    # inter-token latency during the ingest, ingest time): unpaced 95-103/116-125 ms, 17-18 s;
-    # 3.0: 78-84/117-118 ms, 29.5 s (at 3-4k tokens of context the chunk sits at
-    # `min_prefill_chunk`, whose attention over the context is most of a mixed step);
-    # 4.0: 95/106 ms, 14.6 s (larger chunks early, when they are cheap).
-    mixed_step_slowdown: float = 4.0
+    # Measured on the 2-core target, AMD EPYC, with chunks through the attention kernel
+    # (`kvchat bench --workloads W3`, runs one by one; streams' p99 inter-token latency
+    # during the ingest over alone, ingest time): 4.0 with chunks of 8 at least: 3.02x,
+    # 13.1 s (4.19x, 9.0 s in another); 3.0: 3.06/2.75/2.98x, 18-20 s; 2.5: 2.89/2.97/3.69x,
+    # 18-21 s (the chunk sat at its floor: no faster streams, no slower ingest); 3.0 with
+    # the floor at 5 tokens: 1.95/2.30/2.86x, 18-22 s.
+    mixed_step_slowdown: float = 3.0
     max_skips: int = 8  # how often a waiting request may be overtaken by later ones
     max_rq_tokens: int = 2048  # a long generation requeues itself after this many tokens
     kv_format: str = "native"  # part of the page-hash salt
