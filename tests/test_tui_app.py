@@ -6,15 +6,17 @@ test calls `advance()`; every wait is on a condition (`wait_until`), never a sle
 
 from __future__ import annotations
 
+import sys
 import time
 
+import pytest
 from textual.command import CommandList, CommandPalette
 
 from kvchat.chat.session import MessageState
 from kvchat.chat.settings import Settings
 from kvchat.chat.store import MessageRecord, SessionRecord, Store
 from kvchat.errors import ModelLoadError
-from kvchat.tui.app import KvchatApp
+from kvchat.tui.app import GIL_SWITCH_INTERVAL_S, KvchatApp
 from kvchat.tui.screens import FailedStartScreen
 from tests.tui_helpers import fake_app, ready, transcript_texts, wait_until
 
@@ -293,3 +295,14 @@ async def test_the_cache_note_follows_the_backend_as_it_changes(monkeypatch):
         await wait_until(pilot, lambda: "compiles" in app.meters.values["cache"], 10)
         note[0] = "attention: kvchat's CPU kernel"
         await wait_until(pilot, lambda: "CPU kernel" in app.meters.values["cache"], 10)
+
+
+async def test_the_gil_hands_over_every_millisecond_while_the_app_runs():
+    """The engine thread gets the GIL back from a long screen update within 1 ms, not
+    Python's 5 ms; the interval the process had is restored when the app ends."""
+    before = sys.getswitchinterval()
+    app, _ = fake_app(tokens_per_reply=2)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S)
+    assert sys.getswitchinterval() == pytest.approx(before)
