@@ -388,7 +388,6 @@ class KvchatApp(App[int]):
     # --------------------------------------------------------------- start-up
 
     def on_mount(self) -> None:
-        self._switch_interval_before = sys.getswitchinterval()
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.theme_changed_signal.subscribe(self, self._theme_changed)
         self._themes_ready = True
