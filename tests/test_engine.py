@@ -60,7 +60,7 @@ def test_eight_concurrent_requests_match_their_solo_greedy_outputs(smollm_fp32):
         for p, c in zip(ids, collectors, strict=True):
             engine.submit(GenerationRequest(tuple(p), max_tokens=16, ignore_eos=True), c)
         together = [c.wait().generated_ids for c in collectors]
-        engine.table.validate()
+        engine.validate_cache()
     assert together == solo
 
 
@@ -109,7 +109,7 @@ def test_cancel_mid_prefill_and_mid_decode_releases_pages(tiny):
         assert done.reason == FinishReason.CANCELLED
         assert 3 <= done.generated_tokens < 10_000
         engine.close()
-        engine.table.validate()
+        engine.validate_cache()
         stats = engine.table.stats()
         assert stats.device.active == 0
         assert stats.device.cached > 0  # the computed pages stayed as prompt cache
@@ -127,7 +127,7 @@ def test_preemption_when_active_requests_exhaust_the_pool_keeps_outputs_correct(
             engine.submit(GenerationRequest(tuple(p), max_tokens=40, ignore_eos=True), c)
         results = [c.wait() for c in cs]
         assert engine.stats().preemptions > 0
-        engine.table.validate()
+        engine.validate_cache()
     assert [r.generated_ids for r in results] == solo
     assert all(r.reason == FinishReason.LENGTH for r in results)
     assert sum(r.recomputed_tokens for r in results) > 0
@@ -166,7 +166,7 @@ def test_submit_and_cancel_from_many_threads_is_safe(tiny):
                     break
             deadline.wait(0.05)
         engine.close()
-        engine.table.validate()
+        engine.validate_cache()
     assert len(finished) == 24
     assert engine.table.stats().device.active == 0
 
@@ -341,7 +341,7 @@ def test_idle_defragmentation_runs_in_slices_and_yields_to_a_new_request(tiny, m
         calls = len(moves)
         while engine.step():
             pass
-        engine.table.validate()
+        engine.validate_cache()
         assert len(moves) > calls + 1 and moves[-1] == 0  # resumed in slices, then settled
         assert all(n <= 4 for n in moves)
         for prompt in (range(3, 303), range(5, 205)):  # still cached, all of it

@@ -125,12 +125,12 @@ class PageTableMachine(RuleBasedStateMachine):
     def release(self, pick: int) -> None:
         self._release(self._pick(pick))
 
-    @rule(max_moves=st.none() | st.integers(1, 4))
-    def go_idle_and_defragment(self, max_moves: int | None) -> None:
-        """Every conversation ends; the engine defragments while idle."""
+    @rule(max_moves=st.none() | st.integers(1, 4), resuming=st.booleans())
+    def go_idle_and_defragment(self, max_moves: int | None, resuming: bool) -> None:
+        """Every conversation ends; the engine defragments while idle, in slices when resuming."""
         for sid in sorted(self.tokens):
             self._release(sid)
-        moved = self.table.defragment(max_moves)
+        moved = self.table.defragment(max_moves, resuming=resuming)
         assert moved <= (max_moves if max_moves is not None else 2 * self.table.num_pages)
 
     def _release(self, sid: int) -> None:

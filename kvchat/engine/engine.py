@@ -224,6 +224,15 @@ class Engine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def validate_cache(self) -> None:
+        """Check the page table's invariants while the engine thread cannot touch it.
+
+        A live engine defragments and evicts on its own thread when idle, so a check from
+        another thread without the lock can catch a move half made; this one takes the lock.
+        """
+        with self._lock:
+            self.table.validate()
+
     def close(self) -> None:
         self._stopping = True
         self._wake.set()
