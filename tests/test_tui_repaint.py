@@ -112,6 +112,25 @@ async def test_the_live_paragraph_grows_in_place_into_spare_lines_given_back_at_
         assert paragraph.size.height == 2  # the text's own height again
 
 
+async def test_a_new_live_paragraph_has_its_spare_lines_from_its_first_layout():
+    """The layout that mounts a paragraph also gives it its spare lines: no second one later."""
+    app = _Host()
+    async with app.run_test(size=(40, 20)) as pilot:
+        streamed = StreamingMarkdown("")
+        await app.mount(streamed)
+        await streamed.write("The first paragraph.")
+        await pilot.pause()
+        await streamed.write("\n\nThe second")
+        await pilot.pause()
+        first, second = streamed.query(StreamParagraph)
+        assert second.size.height == RESERVE_LINES  # reserved in the layout of its mount
+        assert first.size.height == 1  # the earlier paragraph gave its spare lines back
+        layouts = spy_on_refresh(second)
+        await streamed.write(" one")
+        await pilot.pause()
+        assert layouts and not any(layouts)
+
+
 async def test_update_static_repaints_without_layout_when_the_height_holds():
     app = _Host()
     async with app.run_test(size=(30, 10)) as pilot:
