@@ -3,12 +3,10 @@
 Threads (harlequin's and toolong's rule): the engine and the service run on
 their own threads and never touch a widget. Service events arrive on the
 service's worker thread; reply text goes into a `StreamBuffer` and everything
-else is posted to the UI as a `ServiceEvent` message. A frame drains the visible
-session's text (with a final flush when a reply ends) and refreshes the meters
-from `engine.stats()` snapshots at most 4 times a second (`METERS_HZ`), so that
-they share one screen update. The timer ticks at 20 Hz (`FLUSH_HZ`); a
-`FramePacer` says which ticks draw, keeping the UI thread near `UI_CPU_BUDGET`
-of a core (never under `SLOWEST_FLUSH_HZ` frames a second).
+else is posted to the UI as a `ServiceEvent` message. The UI drains the visible
+session's text at 20 Hz (`FLUSH_HZ`, with a final flush when a reply ends) and
+refreshes the meters from `engine.stats()` snapshots at most 4 times a second
+(`METERS_HZ`), on the same timer, so that they share one screen update.
 
 Why the UI's cost per tick matters: the engine thread runs each decode step's
 Python (a few ms of it) under the same GIL as the UI thread, and on a small
@@ -17,8 +15,7 @@ taken from generation. Nothing runs per token on the UI thread; hidden
 sessions' text is only buffered; widgets repaint only when what they show
 changed, without a screen layout unless their size changed (`repaint`). A
 screen update costs the UI thread a millisecond or more whatever it repaints,
-so `FLUSH_HZ` is the low end of what reads as smooth streaming (20-30 Hz) and
-the pacer lowers it only when frames are expensive.
+so `FLUSH_HZ` is the low end of what reads as smooth streaming (20-30 Hz).
 Anything that can wait on the engine's lock (residency, prefetch) runs in a
 thread worker, so a switch never waits for the engine.
 
@@ -81,7 +78,6 @@ from kvchat.errors import KvchatError
 from kvchat.paths import app_paths
 from kvchat.tui.backend import BackendFactory, TuiBackend
 from kvchat.tui.composer import Composer
-from kvchat.tui.frame_pacer import FramePacer
 from kvchat.tui.keys import APP_KEYS, bindings, check_keymap, keys_for
 from kvchat.tui.meters import Meters
 from kvchat.tui.screens import (
@@ -95,15 +91,7 @@ from kvchat.tui.stream_buffer import StreamBuffer
 from kvchat.tui.themes import DEFAULT_THEME, load_themes
 from kvchat.tui.transcript import Transcript
 
-FLUSH_HZ = 20  # the timer's rate: the fastest frames
-# the UI thread's share of a core that frames may take (see `FramePacer`). Measured on a
-# 2-core AMD EPYC, interleaved runs, medians of 4 (the UI thread's CPU while streaming,
-# and tokens/s as a share of the same load headless): one reply of 256 tokens, 0.179 s
-# and 0.942 at a fixed 20 Hz, 0.146 s and 0.974 paced (10-20 Hz); eight replies of 128,
-# 0.261 s and 0.831 at 20 Hz, 0.227 s and 0.857 paced down to 12 Hz, 0.207 s and 0.894
-# down to 8 Hz. Eight replies' frames cost more than the budget allows at the floor.
-UI_CPU_BUDGET = 0.05
-SLOWEST_FLUSH_HZ = 10  # frames never slower than this while text streams
+FLUSH_HZ = 20
 GIL_SWITCH_INTERVAL_S = 0.001  # while the app runs (see the module docstring)
 METERS_HZ = 4
 RESIDENCY_ALL_EVERY_S = 5.0
@@ -340,9 +328,6 @@ class KvchatApp(App[int]):
         self._residency_all_at = 0.0
         self._note_at = 0.0
         self._meters_at = 0.0
-        self._pacer = FramePacer(
-            budget=UI_CPU_BUDGET, tick_s=1 / FLUSH_HZ, slowest_hz=SLOWEST_FLUSH_HZ
-        )
         self._rows_due: set[str] = set()  # rows to refresh at the next tick
         self._residency_due: dict[str, Residency] = {}  # residencies to show at the next tick
         self._themes_ready = False
@@ -581,11 +566,8 @@ class KvchatApp(App[int]):
         """`FLUSH_HZ`: rows that changed, the meters when their turn came, then the text.
 
         Everything a tick touches is repainted in one screen update; each update costs a
-        few ms of the UI thread whatever it repaints, so the pacer skips ticks when the
-        frames' cost would take more than `UI_CPU_BUDGET` of a core.
+        few ms of the UI thread whatever it repaints.
         """
-        if not self._pacer.should_draw():
-            return
         if self._rows_due:
             due, self._rows_due = self._rows_due, set()
             for session_id in due:
