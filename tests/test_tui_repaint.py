@@ -90,21 +90,28 @@ async def test_streamed_markdown_shows_what_a_fresh_parse_shows(document):
         assert streamed.size == fresh.size  # no spare lines left behind
 
 
+async def _write(streamed: StreamingMarkdown, pilot, *pieces: str) -> None:
+    """Stream `pieces` one by one, with a screen update after each (as the app's timer does)."""
+    for piece in pieces:
+        await streamed.write(piece)
+        await pilot.pause()
+
+
+async def _stream(app: App, pilot, *pieces: str) -> StreamingMarkdown:
+    streamed = StreamingMarkdown("")
+    await app.mount(streamed)
+    await _write(streamed, pilot, *pieces)
+    return streamed
+
+
 async def test_the_live_paragraph_grows_in_place_into_spare_lines_given_back_at_the_end():
     app = _Host()
     async with app.run_test(size=(40, 20)) as pilot:
-        streamed = StreamingMarkdown("")
-        await app.mount(streamed)
-        await streamed.write("1. start")
-        await pilot.pause()
-        await streamed.write(" of")
-        await pilot.pause()
+        streamed = await _stream(app, pilot, "1. start", " of")
         [paragraph] = streamed.query(StreamParagraph)
         assert paragraph.size.height == RESERVE_LINES  # one line of text, spare lines below
         layouts = spy_on_refresh(paragraph)
-        for words in (" a", " line", " that wraps onto the next line"):
-            await streamed.write(words)
-            await pilot.pause()
+        await _write(streamed, pilot, " a", " line", " that wraps onto the next line")
         assert list(streamed.query(StreamParagraph)) == [paragraph]  # the same widget
         assert layouts and not any(layouts)  # the second line filled a spare one: repaints only
         streamed.end_stream()
@@ -116,18 +123,12 @@ async def test_a_new_live_paragraph_has_its_spare_lines_from_its_first_layout():
     """The layout that mounts a paragraph also gives it its spare lines: no second one later."""
     app = _Host()
     async with app.run_test(size=(40, 20)) as pilot:
-        streamed = StreamingMarkdown("")
-        await app.mount(streamed)
-        await streamed.write("The first paragraph.")
-        await pilot.pause()
-        await streamed.write("\n\nThe second")
-        await pilot.pause()
+        streamed = await _stream(app, pilot, "The first paragraph.", "\n\nThe second")
         first, second = streamed.query(StreamParagraph)
         assert second.size.height == RESERVE_LINES  # reserved in the layout of its mount
         assert first.size.height == 1  # the earlier paragraph gave its spare lines back
         layouts = spy_on_refresh(second)
-        await streamed.write(" one")
-        await pilot.pause()
+        await _write(streamed, pilot, " one")
         assert layouts and not any(layouts)
 
 
