@@ -12,12 +12,14 @@ import random
 
 import pytest
 from textual.app import App, ComposeResult
+from textual.containers import Vertical
 from textual.widget import Widget
 from textual.widgets import Markdown, Static
 
 from kvchat.chat.engine_port import Residency
 from kvchat.chat.session import SessionView
 from kvchat.engine.request import SamplingParams
+from kvchat.tui.app import CSS as APP_CSS
 from kvchat.tui.markdown import RESERVE_LINES, StreamingMarkdown, StreamParagraph
 from kvchat.tui.repaint import update_static
 from kvchat.tui.sidebar import SessionRow
@@ -130,6 +132,37 @@ async def test_a_new_live_paragraph_has_its_spare_lines_from_its_first_layout():
         layouts = spy_on_refresh(second)
         await _write(streamed, pilot, " one")
         assert layouts and not any(layouts)
+
+
+class _StyledHost(App[None]):
+    """The app's own stylesheet around one message body, as the transcript nests it."""
+
+    CSS = APP_CSS
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="message -assistant"):
+            yield StreamingMarkdown("", classes="message-body")
+
+
+async def test_a_new_paragraph_restyles_no_earlier_block_of_a_long_reply(monkeypatch):
+    """A rule with :last-child (or another order pseudo-class) on the blocks makes Textual
+    restyle every earlier block of the reply at each mount: a long reply's frames then grow
+    with its length (a 2,048-token reply's flushes went from 1.4 to 4.1 ms)."""
+    app = _StyledHost()
+    async with app.run_test(size=(60, 40)) as pilot:
+        streamed = app.query_one(StreamingMarkdown)
+        await _write(streamed, pilot, *(f"Paragraph number {i}.\n\n" for i in range(20)))
+        restyled: list[Widget] = []
+        update = Widget.update_node_styles
+
+        def spy(self, *args, **kwargs):
+            restyled.append(self)
+            return update(self, *args, **kwargs)
+
+        monkeypatch.setattr(Widget, "update_node_styles", spy)
+        await _write(streamed, pilot, "One more", " paragraph.\n\n", "And another")
+        assert len(streamed.query(StreamParagraph)) == 22
+        assert len(restyled) <= 2, [type(w).__name__ for w in restyled]
 
 
 async def test_update_static_repaints_without_layout_when_the_height_holds():

@@ -116,14 +116,16 @@ Screen.-narrow #sidebar { width: 24; }
 .session-row { padding: 0 1; margin-bottom: 1; height: auto; }
 .session-row.-current { background: $boost; border-left: thick $primary; }
 .session-row.-unread { text-style: bold; }
-.message { height: auto; margin-bottom: 1; }
+/* The gap after a message is its last block's own bottom margin. A rule with :last-child
+   (or any order pseudo-class) on the blocks made Textual restyle every block of a reply
+   each time one was added: frames grew with the reply's length (tests/test_tui_repaint.py). */
+.message { height: auto; margin-bottom: 0; }
 .message-header { color: $text-muted; text-style: bold; }
 .message.-user .message-header { color: $primary; }
 .message.-assistant .message-header { color: $secondary; }
 .message.-interrupted .message-header, .message.-error .message-header { color: $error; }
 .message.-cancelled .message-header { color: $warning; }
 .message-body { margin: 0; padding: 0; }
-.message-body > MarkdownBlock:last-child { margin-bottom: 0; }
 .empty, .earlier { color: $text-muted; padding: 1 0; }
 .meter-label { color: $primary; text-style: bold; margin-top: 1; }
 .meter-note { color: $text-muted; margin-top: 1; }
