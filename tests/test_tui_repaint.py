@@ -17,12 +17,13 @@ from textual.widget import Widget
 from textual.widgets import Markdown, Static
 
 from kvchat.chat.engine_port import Residency
-from kvchat.chat.session import SessionView
+from kvchat.chat.session import MessageState, MessageView, SessionView
 from kvchat.engine.request import SamplingParams
 from kvchat.tui.app import CSS as APP_CSS
 from kvchat.tui.markdown import RESERVE_LINES, StreamingMarkdown, StreamParagraph
 from kvchat.tui.repaint import update_static
 from kvchat.tui.sidebar import SessionRow
+from kvchat.tui.transcript import MessageBlock
 
 DOCUMENTS = [
     "Hello **world** and *more* text with `code`.\n\nSecond paragraph, a [link](http://x.y).",
@@ -163,6 +164,37 @@ async def test_a_new_paragraph_restyles_no_earlier_block_of_a_long_reply(monkeyp
         await _write(streamed, pilot, "One more", " paragraph.\n\n", "And another")
         assert len(streamed.query(StreamParagraph)) == 22
         assert len(restyled) <= 2, [type(w).__name__ for w in restyled]
+
+
+def _message(content: str, state: MessageState, index: int) -> MessageView:
+    return MessageView(f"m{index}", index, "assistant", content, state, True, None)
+
+
+class _Messages(App[None]):
+    CSS = APP_CSS
+
+    def __init__(self, first: MessageView) -> None:
+        super().__init__()
+        self.first = first
+
+    def compose(self) -> ComposeResult:
+        yield MessageBlock(self.first)
+        yield MessageBlock(_message("Next.", MessageState.COMPLETE, 1))
+
+
+@pytest.mark.parametrize(
+    ("first", "lines"),
+    [
+        (_message("One line of text.", MessageState.COMPLETE, 0), 3),  # header, text, gap
+        (_message("", MessageState.CANCELLED, 0), 2),  # header, gap: no block gives it
+    ],
+)
+async def test_one_blank_line_follows_every_message(first, lines):
+    app = _Messages(first)
+    async with app.run_test(size=(60, 20)) as pilot:
+        await pilot.pause()
+        a, b = app.query(MessageBlock)
+        assert b.region.y - a.region.y == lines
 
 
 async def test_update_static_repaints_without_layout_when_the_height_holds():

@@ -120,6 +120,7 @@ Screen.-narrow #sidebar { width: 24; }
    (or any order pseudo-class) on the blocks made Textual restyle every block of a reply
    each time one was added: frames grew with the reply's length (tests/test_tui_repaint.py). */
 .message { height: auto; margin-bottom: 0; }
+.message.-empty { margin-bottom: 1; }
 .message-header { color: $text-muted; text-style: bold; }
 .message.-user .message-header { color: $primary; }
 .message.-assistant .message-header { color: $secondary; }

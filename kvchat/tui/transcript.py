@@ -48,6 +48,7 @@ class MessageBlock(Vertical):
 
     def __init__(self, message: MessageView) -> None:
         super().__init__(classes=f"message -{message.role} -{message.state}")
+        self.set_class(not message.content, "-empty")  # no block to give the gap below it
         self.message = message
         self.message_id = message.id
         self.shown = len(message.content)  # characters of the reply rendered so far
@@ -72,6 +73,8 @@ class MessageBlock(Vertical):
             # per tick with the tick's text, and a tick that overruns delays the next one
             await self.body.write(piece)
             self.shown += len(piece)
+            if self.has_class("-empty"):
+                self.remove_class("-empty")
         return True
 
     async def finish(self, message: MessageView) -> None:
@@ -80,6 +83,7 @@ class MessageBlock(Vertical):
         if message.content != self.body.source:
             await self.body.update(message.content)
         self.shown = len(message.content)
+        self.set_class(not message.content, "-empty")
         self.set_state(message)
 
     def set_state(self, message: MessageView) -> None:
