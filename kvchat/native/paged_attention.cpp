@@ -376,11 +376,11 @@ struct Kernel {
   // Many rows over bf16 K/V, NB blocks of 16 rows from row r0 at a time: run_lanes'
   // layout (16 rows as the lanes of every vector, the softmax lane by lane) with the
   // products as bf16 pairs summed in fp32 (vdpbf16ps), half the instructions of
-  // widening every element to fp32. Scores: a
-  // row's query as 32 (dim, dim + 1) pairs against a K row's pair broadcast straight
-  // from the store (exact products). Values: the probabilities rounded to bf16 (as
-  // torch's flash attention does for bf16 before its product with V; the softmax sums
-  // stay fp32) as (token, token + 1) pairs against V's two rows interleaved once a tile.
+  // widening every element to fp32. Scores: a row's query as 32 (dim, dim + 1) pairs
+  // against a K row's pair broadcast straight from the store (exact products). Values:
+  // the probabilities rounded to bf16 (as torch's flash attention does for bf16 before
+  // its product with V; the softmax sums stay fp32) as (token, token + 1) pairs against
+  // V's two rows interleaved once a tile.
   template <int NB>
   void run_lanes_bf16(const WorkItem& w, int64_t r0, float* scratch) const {
     constexpr int kPairs = D / 2;

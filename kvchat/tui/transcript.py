@@ -73,8 +73,7 @@ class MessageBlock(Vertical):
             # per tick with the tick's text, and a tick that overruns delays the next one
             await self.body.write(piece)
             self.shown += len(piece)
-            if self.has_class("-empty"):
-                self.remove_class("-empty")
+            self.remove_class("-empty")  # a no-op (no restyle) once it is gone
         return True
 
     async def finish(self, message: MessageView) -> None:
