@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from textual import events
 from textual.command import CommandList, CommandPalette
 
 from kvchat.chat.session import MessageState
@@ -18,6 +19,7 @@ from kvchat.chat.store import MessageRecord, SessionRecord, Store
 from kvchat.errors import ModelLoadError
 from kvchat.tui.app import GIL_SWITCH_INTERVAL_S, KvchatApp
 from kvchat.tui.screens import FailedStartScreen
+from kvchat.tui.sidebar import SessionList
 from tests.tui_helpers import fake_app, ready, transcript_texts, wait_until
 
 SIZE = (150, 45)
@@ -184,6 +186,23 @@ async def test_edit_and_resend_replaces_the_last_message():
         assert [m.content for m in app.service.messages(app.current) if m.role == "user"] == [
             "first"
         ]
+
+
+async def test_keys_typed_while_start_up_lists_the_sessions_reach_the_composer(monkeypatch):
+    """A key that arrives while start-up is still listing the sessions (after the model is
+    loaded) lands in the composer; it used to go nowhere, because the composer was focused
+    only at the very end (seen as a lost first letter in CI)."""
+    app, _ = fake_app(tokens_per_reply=2)
+    list_sessions = SessionList.set_sessions
+
+    async def list_while_a_key_arrives(sidebar: SessionList, views) -> None:
+        app.post_message(events.Key("x", "x"))  # queued behind whatever start-up queued so far
+        await list_sessions(sidebar, views)
+
+    monkeypatch.setattr(SessionList, "set_sessions", list_while_a_key_arrives)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        await wait_until(pilot, lambda: app.composer.text == "x", what="the key in the composer")
 
 
 async def test_interrupted_reply_is_restored_and_marked(tmp_path):

@@ -75,5 +75,5 @@ def row_views(app: KvchatApp) -> dict[str, object]:
 
 async def ready(pilot, app: KvchatApp) -> None:
     await wait_until(
-        pilot, lambda: app.service is not None and app.screen.id == "_default", 20, "start"
+        pilot, lambda: app.serving and app.focused is app.composer, 20, "start-up to end"
     )

@@ -320,6 +320,7 @@ class KvchatApp(App[int]):
         self.set_keymap(self.keymap)
         self.backend: TuiBackend | None = None
         self.service: SessionService | None = None
+        self.serving = False  # True once start-up is over: sessions listed, the composer focused
         self.current: str | None = None
         self.buffer = StreamBuffer()
         self.undo_stack: list[tuple[str, str]] = []  # (archive|delete, session id)
@@ -460,6 +461,8 @@ class KvchatApp(App[int]):
         self._unsubscribe = self.service.subscribe(self._from_service)
         if isinstance(self.screen, StartupScreen):
             self.pop_screen()
+        # Focus first: what a user types while the sessions are listed must reach the composer.
+        self.composer.focus()
         self.meters.set_cache_note(message.backend.description)
         views = self._list_views()
         await self.sidebar.set_sessions(views)
@@ -473,7 +476,7 @@ class KvchatApp(App[int]):
             )
         self.set_interval(1 / FLUSH_HZ, self._tick, name="tick")
         self._tick_meters()
-        self.composer.focus()
+        self.serving = True
 
     async def on_unmount(self) -> None:
         self.shutdown()
