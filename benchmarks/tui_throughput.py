@@ -4,7 +4,9 @@ Eight sessions each generate 128 tokens at once on the default model, first thro
 the session layer alone (what `kvchat run` does), then inside the real `KvchatApp`
 (Textual, headless via `run_test`, the transcript of one session visible and
 streaming, meters refreshing). The figure is aggregate generated tokens per second
-from the first token to the last; the same engine settings both times.
+from the first token to the last; the same engine settings both times. Under the
+TUI it also prints the UI thread's share of a core over that window (its CPU time
+per second), the figure `cpu_contention.py` relates to the engine's loss.
 
     python benchmarks/tui_throughput.py [--rounds 3]
 """
@@ -15,6 +17,7 @@ import argparse
 import asyncio
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -76,7 +79,9 @@ def headless() -> float:
     return rate(times)
 
 
-async def under_tui() -> float:
+async def under_tui() -> tuple[float, float]:
+    """(aggregate tokens/s, the UI thread's share of a core from the first token to the last)"""
+
     def factory(report):
         engine = launch()
         model = engine.model
@@ -90,6 +95,8 @@ async def under_tui() -> float:
 
     app = KvchatApp(factory, store_factory=Store.in_memory)
     times: list[tuple[float, int]] = []
+    ui_clock = time.pthread_getcpuclockid(threading.get_ident())  # this (the UI) thread's
+    ui_cpu: list[tuple[float, float]] = []  # (wall, UI thread CPU) at the first and last delta
     async with app.run_test(size=(160, 45)) as pilot:
         await ready(pilot, app)
         app.service.subscribe(recorder(times))
@@ -112,13 +119,16 @@ async def under_tui() -> float:
             nonlocal received
             if type(event).__name__ == "ReplyDelta":
                 received += len(event.token_ids)
+                if not ui_cpu or received >= total:
+                    ui_cpu.append((time.perf_counter(), time.clock_gettime(ui_clock)))
                 if received >= total:
                     loop.call_soon_threadsafe(done.set)
 
         app.service.subscribe(on_event)
         start_all(app.service, ids)
         await asyncio.wait_for(done.wait(), 600)
-        return rate(times)
+        (wall0, cpu0), (wall1, cpu1) = ui_cpu[0], ui_cpu[-1]
+        return rate(times), (cpu1 - cpu0) / (wall1 - wall0)
 
 
 def main() -> None:
@@ -127,7 +137,14 @@ def main() -> None:
     args = parser.parse_args()
     build.request(wait=True)  # on a fresh install the kernel compiles first, not mid-run
     runs: dict[str, list[float]] = {"headless": [], "TUI": []}
-    measure = {"headless": headless, "TUI": lambda: asyncio.run(under_tui())}
+    ui_shares: list[float] = []
+
+    def tui() -> float:
+        tokens_per_s, ui_share = asyncio.run(under_tui())
+        ui_shares.append(ui_share)
+        return tokens_per_s
+
+    measure = {"headless": headless, "TUI": tui}
     # One run of each is one sample of a machine whose speed drifts by tens of percent
     # within minutes: the two are interleaved, their order reversed every round, and
     # compared by medians.
@@ -136,10 +153,12 @@ def main() -> None:
         for name in order:
             runs[name].append(measure[name]())
         print(f"round {r + 1}: headless {runs['headless'][-1]:.1f} tok/s, "
-              f"under the TUI {runs['TUI'][-1]:.1f} tok/s", flush=True)  # fmt: skip
+              f"under the TUI {runs['TUI'][-1]:.1f} tok/s "
+              f"(UI thread {ui_shares[-1]:.3f} of a core)", flush=True)  # fmt: skip
     a, b = statistics.median(runs["headless"]), statistics.median(runs["TUI"])
     print(f"medians of {args.rounds}: headless {a:.1f} tok/s; under the TUI {b:.1f} tok/s; "
-          f"ratio {b / a:.2f}")  # fmt: skip
+          f"ratio {b / a:.3f}; UI thread {statistics.median(ui_shares):.3f} of a core "
+          "while the replies stream")  # fmt: skip
 
 
 if __name__ == "__main__":
