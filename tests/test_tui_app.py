@@ -7,18 +7,20 @@ test calls `advance()`; every wait is on a condition (`wait_until`), never a sle
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import pytest
 from textual import events
 from textual.command import CommandList, CommandPalette
+from textual.widgets import Label, Static
 
 from kvchat.chat.session import MessageState
 from kvchat.chat.settings import Settings
 from kvchat.chat.store import MessageRecord, SessionRecord, Store
 from kvchat.errors import ModelLoadError
 from kvchat.tui.app import GIL_SWITCH_INTERVAL_S, KvchatApp
-from kvchat.tui.screens import FailedStartScreen
+from kvchat.tui.screens import FailedStartScreen, StartupScreen
 from kvchat.tui.sidebar import SessionList
 from tests.tui_helpers import fake_app, ready, transcript_texts, wait_until
 
@@ -203,6 +205,51 @@ async def test_keys_typed_while_start_up_lists_the_sessions_reach_the_composer(m
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
         await wait_until(pilot, lambda: app.composer.text == "x", what="the key in the composer")
+
+
+async def typed_at_start_up(pilot, app: KvchatApp, keys: list[str]) -> None:
+    await wait_until(pilot, lambda: isinstance(app.screen, StartupScreen), what="start-up")
+    await pilot.press(*keys)
+
+
+@pytest.mark.parametrize("send", [False, True])
+async def test_what_is_typed_while_the_model_loads_is_kept_and_sent_when_asked(send):
+    """Keys typed on the start-up screen reach the composer; a message sent there is sent
+    once the model is ready (before, the start-up screen swallowed every key)."""
+    loaded = threading.Event()
+    app, _ = fake_app(tokens_per_reply=3, loaded=loaded)
+    async with app.run_test(size=SIZE) as pilot:
+        await typed_at_start_up(pilot, app, [*"early bird", *(["enter"] if send else [])])
+        if send:
+            hint = app.screen.query_one("#startup-hint", Label)
+            await wait_until(pilot, lambda: "sent as soon as" in str(hint.render()))
+        loaded.set()
+        await ready(pilot, app)
+        if send:
+            await wait_until(pilot, lambda: transcript_texts(app)[-1][1] == "complete")
+            assert transcript_texts(app)[0] == ("user", "complete", "early bird")
+            assert app.composer.text == ""
+        else:
+            assert app.composer.text == "early bird" and not transcript_texts(app)[1:]
+            await pilot.press("!")  # the cursor is at the end of the draft
+            assert app.composer.text == "early bird!"
+
+
+async def test_a_failed_start_shows_what_was_typed_while_it_loaded():
+    loaded = threading.Event()
+    app, _ = fake_app(loaded=loaded)
+
+    def fail(progress):
+        loaded.wait(30)
+        raise ModelLoadError("the model file is missing: run `kvchat model fetch`")
+
+    app.backend_factory = fail
+    async with app.run_test(size=SIZE) as pilot:
+        await typed_at_start_up(pilot, app, [*"keep me"])
+        loaded.set()
+        await wait_until(pilot, lambda: isinstance(app.screen, FailedStartScreen))
+        shown = str(app.screen.query_one("#failed-message", Static).render())
+        assert "model file is missing" in shown and shown.endswith("(not sent):\nkeep me")
 
 
 async def test_interrupted_reply_is_restored_and_marked(tmp_path):

@@ -7,6 +7,7 @@ message (not a hang) when the condition never comes.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,9 +38,13 @@ def fake_app(
     user_themes_dir: Path | None = None,
     settings_problem: str | None = None,
     describe: Callable[[], str] | None = None,
+    loaded: threading.Event | None = None,
     **engine_kwargs: object,
 ) -> tuple[KvchatApp, FakeEngine]:
-    """A `KvchatApp` over a `FakeEngine` (returned for `advance()` in manual mode)."""
+    """A `KvchatApp` over a `FakeEngine` (returned for `advance()` in manual mode).
+
+    With `loaded`, the "model" finishes loading only when the test sets it.
+    """
     chat = fake_backend(**engine_kwargs)
     engine = chat.engine
     assert isinstance(engine, FakeEngine)
@@ -52,7 +57,7 @@ def fake_app(
         close=engine.close,
     )
     app = KvchatApp(
-        lambda progress: backend,
+        lambda progress: backend if loaded is None or loaded.wait(30) else None,
         settings=settings,
         settings_problem=settings_problem,
         store_factory=(lambda: store) if store is not None else Store.in_memory,

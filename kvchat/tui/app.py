@@ -135,6 +135,8 @@ StartupScreen, FailedStartScreen { align: center middle; }
 #startup, #failed { width: 80%; height: auto; max-height: 80%; border: round $primary;
                     padding: 1 2; }
 #startup-log { height: 12; }
+#startup-hint { color: $text-muted; margin-top: 1; }
+#startup-composer { height: 5; }
 StartupScreen LoadingIndicator { height: 3; }
 #failed { border: round $error; }
 #failed-title { color: $error; text-style: bold; }
@@ -397,7 +399,7 @@ class KvchatApp(App[int]):
         self._themes_ready = True
         for problem in self.problems:
             self.notify(problem, severity="warning", timeout=10)
-        self.push_screen(StartupScreen())
+        self.push_screen(StartupScreen(self.keymap))
         self._start()
 
     @work(thread=True, exit_on_error=False, group="startup")
@@ -447,7 +449,11 @@ class KvchatApp(App[int]):
 
     def on_start_failed(self, message: StartFailed) -> None:
         self.exit_code = 1
-        self._switch_screen_to(FailedStartScreen(message.text))
+        text = message.text
+        draft = self.screen.draft if isinstance(self.screen, StartupScreen) else ""
+        if draft.strip():  # shown, so that it can be copied: nothing typed is lost
+            text += f"\n\nWhat you typed while kvchat was starting (not sent):\n{draft}"
+        self._switch_screen_to(FailedStartScreen(text))
 
     def _switch_screen_to(self, screen: Screen) -> None:
         if isinstance(self.screen, StartupScreen):
@@ -459,10 +465,15 @@ class KvchatApp(App[int]):
         self.backend = message.backend
         self.service = message.service
         self._unsubscribe = self.service.subscribe(self._from_service)
+        draft, send_draft = "", False
         if isinstance(self.screen, StartupScreen):
+            draft, send_draft = self.screen.draft, self.screen.send_queued
             self.pop_screen()
         # Focus first: what a user types while the sessions are listed must reach the composer.
         self.composer.focus()
+        if draft:
+            self.composer.load_text(draft)
+            self.composer.move_cursor(self.composer.document.end)
         self.meters.set_cache_note(message.backend.description)
         views = self._list_views()
         await self.sidebar.set_sessions(views)
@@ -477,6 +488,8 @@ class KvchatApp(App[int]):
         self.set_interval(1 / FLUSH_HZ, self._tick, name="tick")
         self._tick_meters()
         self.serving = True
+        if send_draft:
+            self.composer.action_send()  # to the session shown, as if sent just now
 
     async def on_unmount(self) -> None:
         self.shutdown()

@@ -17,20 +17,50 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import Input, Label, LoadingIndicator, Log, Static, TextArea
 
 from kvchat.paths import app_paths
+from kvchat.tui.composer import Composer
 from kvchat.tui.keys import ALL_KEYS, keys_for
 
 
 class StartupScreen(Screen[None]):
-    """Shown while the model loads (the first run converts the default model: minutes)."""
+    """Shown while the model loads (the first run converts the default model: minutes).
+
+    Why it has a composer: a user who starts typing while the model loads must not lose
+    the keys. What they type here becomes the main composer's text once kvchat is ready;
+    a message sent here (the send key) is sent then, to the session kvchat opens on.
+    """
+
+    AUTO_FOCUS = "#startup-composer"
+    WAITING_HINT = "You can type your first message now; it is sent once the model is ready."
+    QUEUED_HINT = "Your message is sent as soon as the model is ready."
+
+    def __init__(self, keymap: Mapping[str, str] | None = None) -> None:
+        super().__init__()
+        self.keymap = keymap
+        self.send_queued = False  # the user sent the draft: send it once ready
 
     def compose(self) -> ComposeResult:
         with Vertical(id="startup"):
             yield Label("kvchat is starting: loading the model…", id="startup-title")
             yield LoadingIndicator()
             yield Log(id="startup-log", auto_scroll=True)
+            yield Label(self.WAITING_HINT, id="startup-hint")
+            yield Composer(keymap=self.keymap, id="startup-composer")
 
     def progress(self, line: str) -> None:
         self.query_one(Log).write_line(line)
+
+    @property
+    def draft(self) -> str:
+        """What the user typed here so far ("" before the screen has composed)."""
+        composers = self.query("#startup-composer").results(Composer)
+        return next((composer.text for composer in composers), "")
+
+    def on_composer_submitted(self, message: Composer.Submitted) -> None:
+        message.stop()  # the app cannot send yet: this screen keeps it until it can
+        self.send_queued = True
+        composer = self.query_one("#startup-composer", Composer)
+        composer.read_only = True
+        self.query_one("#startup-hint", Label).update(self.QUEUED_HINT)
 
 
 class FailedStartScreen(Screen[None]):
