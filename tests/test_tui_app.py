@@ -219,7 +219,9 @@ async def test_what_is_typed_while_the_model_loads_is_kept_and_sent_when_asked(s
     loaded = threading.Event()
     app, _ = fake_app(tokens_per_reply=3, loaded=loaded)
     async with app.run_test(size=SIZE) as pilot:
-        await typed_at_start_up(pilot, app, [*"early bird", *(["enter"] if send else [])])
+        await typed_at_start_up(pilot, app, ["f1", "ctrl+p", "ctrl+n"])  # off until ready
+        assert isinstance(app.screen, StartupScreen) and app.screen.draft == ""
+        await pilot.press(*"early bird", *(["enter"] if send else []))
         if send:
             hint = app.screen.query_one("#startup-hint", Label)
             await wait_until(pilot, lambda: "sent as soon as" in str(hint.render()))
