@@ -10,6 +10,11 @@ with its Markdown parsed, i.e. the frame a terminal would paint. Pilot's
 `pause()` is not used for timing: it waits for the whole process to go idle,
 which never happens quickly while eight streams run. Prints median and p95.
 
+The real engine freezes the objects alive at its launch out of the garbage collector's
+walks (`freeze_long_lived_objects`, during start-up, before the sessions are listed);
+the fake engine's start does the same here, or every full collection would walk the
+whole start-up heap (75,000 objects: 15-90 ms pauses, the slowest switches).
+
     python benchmarks/tui_switch_latency.py [--switches 60] [--sessions 8]
 """
 
@@ -25,11 +30,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvchat.engine.engine import freeze_long_lived_objects
 from tests.tui_helpers import fake_app, ready, wait_until
 
 
 async def measure(sessions: int, switches: int) -> list[float]:
     app, engine = fake_app(manual=True, tokens_per_reply=100_000)
+    load_backend = app.backend_factory
+
+    def launch_like_the_real_engine(progress):
+        backend = load_backend(progress)
+        freeze_long_lived_objects()
+        return backend
+
+    app.backend_factory = launch_like_the_real_engine
     stop = threading.Event()
 
     def pump() -> None:  # the "engine": one step (a token per live reply) every 20 ms
