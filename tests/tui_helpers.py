@@ -56,8 +56,13 @@ def fake_app(
         describe=describe,
         close=engine.close,
     )
+    def load(progress: Callable[[str], None]) -> TuiBackend:
+        if loaded is not None and not loaded.wait(30):
+            raise AssertionError("the test never let the model finish loading")
+        return backend
+
     app = KvchatApp(
-        lambda progress: backend if loaded is None or loaded.wait(30) else None,
+        load,
         settings=settings,
         settings_problem=settings_problem,
         store_factory=(lambda: store) if store is not None else Store.in_memory,
