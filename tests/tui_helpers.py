@@ -56,6 +56,7 @@ def fake_app(
         describe=describe,
         close=engine.close,
     )
+
     def load(progress: Callable[[str], None]) -> TuiBackend:
         if loaded is not None and not loaded.wait(30):
             raise AssertionError("the test never let the model finish loading")
