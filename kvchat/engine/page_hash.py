@@ -19,6 +19,11 @@ from hashlib import blake2b
 
 HASH_BYTES = 16  # 128 bits: collisions are out of reach for any cache size we can hold
 
+# Bumped whenever the forward pass or the KV layout changes the numbers a page holds: it
+# is folded into every root salt (and written into every disk page), so pages computed
+# by an older kvchat are never served after an upgrade that changes them.
+KV_NUMERICS_VERSION = 1
+
 _ROOT_PERSON = b"kvchat-root"  # blake2b personalization: root salts live in their own domain
 _PAGE_PERSON = b"kvchat-page"
 # The array typecode that is 4 bytes wide here ("I" on every platform CPython supports).
@@ -28,11 +33,11 @@ _UINT32 = "I" if array("I").itemsize == 4 else "L"
 def root_salt(model_fingerprint: str, dtype: str, kv_format: str) -> bytes:
     """The parent hash of every first page, for one (model, dtype, KV format).
 
-    The three fields are length-prefixed so that no two different triples can
-    encode to the same bytes ("ab" + "c" versus "a" + "bc").
+    The KV-numerics version is folded in too. The fields are length-prefixed so that
+    no two different triples can encode to the same bytes ("ab" + "c" versus "a" + "bc").
     """
     h = blake2b(digest_size=HASH_BYTES, person=_ROOT_PERSON)
-    for field in (model_fingerprint, dtype, kv_format):
+    for field in (model_fingerprint, dtype, kv_format, str(KV_NUMERICS_VERSION)):
         data = field.encode("utf-8")
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
