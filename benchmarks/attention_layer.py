@@ -7,7 +7,7 @@ prefill chunk, a follow-up turn): the median time of one layer's attention, bf16
 query heads over 3 kv heads of 64, K/V in 256-token pages. SDPA gets the context as one
 strided tensor (the contiguous case, its best; one call, without the engine's 4-way
 slicing of decodes from 4k tokens); the kernel reads it through the page list. Hot
-caches: this is the kernels' own speed, not a decode step's (see `attention_ab.py`).
+caches: this is the kernels' own speed, not a decode step's (see `experiments/attention_ab.py`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Repaint latency of switching sessions while others stream (issue 7's bar: under 100 ms).
+"""Repaint latency of switching sessions while others stream (target: under 100 ms).
 
 Runs the real `KvchatApp` headless (Textual's Pilot) over the fake engine: 8
 sessions stream long replies (a thread advances the engine one step every

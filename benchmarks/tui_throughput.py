@@ -1,4 +1,4 @@
-"""Engine throughput under the TUI vs headless (issue 7's bar: at least 90%).
+"""Engine throughput under the TUI vs headless (target: at least 90%).
 
 Eight sessions each generate 128 tokens at once on the default model, first through
 the session layer alone (what `kvchat run` does), then inside the real `KvchatApp`

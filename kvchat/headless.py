@@ -2,7 +2,7 @@
 
 Wiring only: the script is parsed and validated whole (`kvchat/script.py`)
 before the model is even loaded, then each op becomes a `SessionService` call
-and each service event a JSON line (DESIGN.md "Headless events"). `say` never
+and each service event a JSON line (docs/architecture.md, "Headless events"). `say` never
 waits, so replies of different sessions run concurrently as in the TUI; the
 script's end waits for every reply. Exit codes: 0 ok, 1 a reply or the engine
 failed (every finished reply is still printed), 2 a bad script.
@@ -71,7 +71,7 @@ def read_script(path_or_dash: str, stdin: TextIO | None = None) -> list[Op]:
 
 
 def reply_event(session: str, event: ReplyFinished) -> dict[str, Any]:
-    """DESIGN.md's `reply` event (plus `hit_rate`)."""
+    """The headless `reply` event (plus `hit_rate`)."""
     stats = event.stats
     return {
         "event": "reply",

@@ -1,4 +1,5 @@
-"""`kvchat run`: every op on the fake engine, DESIGN.md's event fields, bad scripts, failures."""
+"""`kvchat run`: every op on the fake engine, the event fields (docs/architecture.md), bad
+scripts, failures."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The forward pass computes what transformers computes (DESIGN.md "Fidelity").
+"""The forward pass computes what transformers computes (docs/architecture.md, "Fidelity").
 
 Tiny random models of each family check the mechanics (fp32: relative L2 < 1e-4;
 bf16: within 1.5x transformers' own bf16 error); the real default model checks
@@ -126,7 +126,7 @@ def test_default_model_greedy_64_tokens_identical_to_transformers(default_fp32, 
 
 @pytest.mark.real_model
 def test_default_model_bf16_error_within_transformers_own(default_gguf_path, hf_default_fp32):
-    """DESIGN.md: kvchat's bf16 logits are at most 1.5x as far from transformers' fp32 as
+    """kvchat's bf16 logits are at most 1.5x as far from transformers' fp32 as
     transformers' own bf16 (measured: 2.0-2.1% vs 2.2% on this prompt)."""
     model16 = load_model(str(default_gguf_path), dtype="bfloat16", weights="bf16")
     prompt = model16.renderer.prompt_ids(PROMPT)

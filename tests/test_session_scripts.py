@@ -1,4 +1,4 @@
-"""DESIGN.md's session bar on the real model: four sessions with long documents and
+"""Switching sessions on the real model: four sessions with long documents and
 interleaved follow-ups prefill only each new turn (+1 token) and answer exactly as the
 same session run alone (float32, greedy)."""
 

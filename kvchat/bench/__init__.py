@@ -1,4 +1,4 @@
-"""`kvchat bench`: DESIGN.md's workloads, kvchat and its peers side by side in one run.
+"""`kvchat bench`: the workloads (docs/benchmarks.md), kvchat and its peers side by side in one run.
 
 The runner (`runner.py`) loads the model once, runs each workload for each engine
 in turn (interleaved per repeat, so the machine's noise falls on all of them

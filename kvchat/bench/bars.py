@@ -1,4 +1,4 @@
-"""The issues' bars, checked against one bench run's medians.
+"""kvchat's performance targets, checked against one bench run's medians.
 
 Each bar is a ratio measured in the same run (never against numbers from another
 machine), so a noisy or slower machine moves kvchat and its peers together. A bar

@@ -1,6 +1,6 @@
 """The texts the workloads send: real source code from the installed Python's stdlib.
 
-DESIGN.md's W1 opens each session with a standard-library module cut to its first
+W1 (docs/benchmarks.md) opens each session with a standard-library module cut to its first
 N tokens, in a Python code fence, and a question; the follow-ups are fixed.
 Reading the files from the running interpreter keeps the bench self-contained
 (no download) and the same on every machine with the same Python. Documents are

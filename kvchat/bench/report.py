@@ -239,7 +239,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
 
 
 def markdown(results: dict) -> str:
-    """The report as Markdown: the machine, the engines, one table per workload, the bars."""
+    """The report as Markdown: the machine, the engines, one table per workload, the targets."""
     info = results["machine"]
     model = results["model"]
     lines = [
@@ -280,7 +280,7 @@ def markdown(results: dict) -> str:
         ]
         lines += [
             "",
-            "## The issues' bars (ratios within this run)",
+            "## Targets (ratios within this run)",
             "",
             *_table(["workload", "claim", "value", "target", "met"], rows),
         ]

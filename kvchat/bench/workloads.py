@@ -1,4 +1,4 @@
-"""DESIGN.md's workloads, each run for every engine that can run it, repeated.
+"""The bench's workloads (docs/benchmarks.md), each run for every engine that can run it, repeated.
 
 One function per workload takes the `BenchContext` and returns a JSON-ready dict:
 `{"engines": {name: {"runs": [...], "median": {...}}}, "not_applicable": {name:
@@ -7,8 +7,8 @@ every engine, then repeat 2...), so a noisy stretch of the machine falls on all
 engines alike. Every engine is driven by the same code here; what differs is
 only how each keeps its state (`peers/`).
 
-Sizes live in `BenchPlan`: the full plan is DESIGN.md's; `--quick` shrinks every
-workload (short documents, one round, few tokens, one repeat) but keeps each
+Sizes live in `BenchPlan`: the full plan is the one docs/benchmarks.md describes; `--quick`
+shrinks every workload (short documents, one round, few tokens, one repeat) but keeps each
 one's entry, so the JSON always has the same shape.
 """
 
@@ -37,7 +37,7 @@ W4_ONLY = "kvchat's own cache tiers under pressure; the peers have no such tiers
 
 @dataclass(frozen=True)
 class BenchPlan:
-    """Every size the workloads use (DESIGN.md's, or reduced for --quick)."""
+    """Every size the workloads use (the full plan, or reduced for --quick)."""
 
     quick: bool = False
     repeats: int = 3
@@ -228,7 +228,7 @@ def _turn_record(session: int, turn: int, r: TurnResult) -> dict:
 
 
 def w1_once(chat: ChatEngine, openers: list[str], plan: BenchPlan) -> dict:
-    """DESIGN.md's W1 on one engine: documents first, then round-robin follow-ups."""
+    """W1 on one engine: documents first, then round-robin follow-ups."""
     sessions = [chat.new_session() for _ in openers]
     turns: list[dict] = []
     start = time.perf_counter()

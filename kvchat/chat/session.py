@@ -29,7 +29,7 @@ class MessageState(StrEnum):
 
 @dataclass(frozen=True)
 class TurnStats:
-    """One reply's counters (DESIGN.md "Metric definitions"): prompt = cached + prefilled."""
+    """One reply's counters (docs/kv-cache.md): prompt = cached + prefilled."""
 
     finish_reason: str
     prompt_tokens: int

@@ -1,6 +1,6 @@
 """The user's settings file (TOML under the user config folder), typed.
 
-Keys are named as DESIGN.md's command-line conventions (`device_cache` for
+Keys are named as the command-line options (README.md, "Options and settings") (`device_cache` for
 `--device-cache`), so one word means one thing on both. A bad file never
 crashes kvchat and is never overwritten: `load_settings` raises a
 `KvchatError` naming the key (and its line) or the TOML error's line, and the

@@ -1,6 +1,6 @@
 """The KV cache's counters and the immutable snapshot the page table hands out.
 
-The counters follow DESIGN.md's metric definitions exactly, so the engine, the UI,
+The counters follow the metric definitions of docs/kv-cache.md exactly, so the engine, the UI,
 the headless output and the bench all read one meaning: `prompt_tokens` is split
 into tokens served from a tier (`cached_*`) and tokens computed
 (`prefilled_tokens`); recompute after preemption or requeue is counted apart in

@@ -54,10 +54,7 @@ NON_FINITE_LOGITS = (
 )
 RATE_WINDOW_S = 5.0
 # Idle defragmentation moves at most this many pages a step, so a request that arrives
-# meanwhile waits for one slice, not for the whole pass. Measured on the 2-core target
-# around switches between two 6k-token conversations: whole passes 28-374 ms; 16-page
-# slices 8-28 ms in 39 of 46, up to 288 ms when the destination memory was touched for
-# the first time (its page faults).
+# meanwhile waits for one slice, not for the whole pass (measured: docs/kv-cache.md).
 DEFRAG_PAGES_PER_STEP = 16
 # After that, an idle step on a CPU faults in this much of the KV store that no step has
 # touched yet (`DeviceKVStore.touch`), so later prefills do not pay for it.
@@ -71,9 +68,8 @@ def freeze_long_lived_objects() -> None:
     parameters, the tokenizer's tables, the page table) live as long as the engine, and
     every full collection walks all of them. The engine makes short-lived objects every
     step, so collections come every few seconds and land inside steps. Objects frozen
-    here are still freed by reference counting when dropped. Measured (decode steps at
-    3,072 tokens of context, medians of 400, three interleaved pairs): 15.35, 16.6,
-    15.04 ms frozen against 15.73, 17.07, 15.98 ms not.
+    here are still freed by reference counting when dropped (measured:
+    docs/architecture.md).
     """
     gc.freeze()
 
@@ -148,11 +144,10 @@ class Engine:
     def launch(cls, load: Callable[[], object], config: EngineConfig | None = None) -> Engine:
         """Load the model on the engine's own thread, then run the step loop on it.
 
-        Why: torch's OpenMP pool belongs to the thread that first runs parallel work.
-        Measured on the 2-core target machine, a second live thread running torch ops is
-        30-50% slower than the first (the decode went from ~21 to ~35 ms a token when
-        the model was loaded on the main thread and stepped on the engine thread). So
-        one thread does all of kvchat's torch work: loading, then every step.
+        Why: torch's OpenMP pool belongs to the thread that first runs parallel work, and
+        a second live thread running torch ops is much slower than the first (measured:
+        docs/architecture.md). So one thread does all of kvchat's torch work: loading,
+        then every step.
         """
         ready = threading.Event()
         box: dict[str, object] = {}

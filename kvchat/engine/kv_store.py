@@ -138,10 +138,9 @@ class DeviceKVStore:
 
         Why: the store is allocated empty (see `__init__`), so the OS maps its memory at
         the first write, in the middle of a prefill; in 2 MiB pages that can include
-        compacting memory to find one. Measured on the 2-core target: a 3,049-token
-        prompt's first prefill on a fresh 1 GiB store took 1.66 s, 1.35 s on a touched one
-        (medians of 6, interleaved). So an idle engine touches its whole store, a slice a
-        step, within seconds of launch, committing the RAM the device cache was sized to.
+        compacting memory to find one (measured: docs/kv-cache.md). So an idle engine
+        touches its whole store, a slice a step, within seconds of launch, committing the
+        RAM the device cache was sized to.
         Every 4 KiB is read and written back (adding zero), so live pages keep their
         contents; only the engine's thread, which is the only writer, calls this.
         """

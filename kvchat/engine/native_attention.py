@@ -25,12 +25,9 @@ def supports(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
 def serves_chunks(dtype: torch.dtype, quantized_kv: bool) -> bool:
     """Whether prefill chunks, not only decodes, are faster through the kernel on this CPU.
 
-    Measured per kind of CPU (`benchmarks/attention_layer.py`, bf16, one layer of the
-    default model, 20 new tokens over 6k of context): where the CPU has AVX512-BF16 but
-    no AMX tiles (an AMD EPYC here), the kernel's bf16 pair products take 1.55 ms
-    against 4.74 ms for torch's flash attention, and a 2,048-token prompt's chunk 55.7
-    against 63.7 ms; where it has AMX (an Intel Xeon here), torch's flash attention
-    multiplies on the tiles and wins (1.09 against 1.84 ms), so chunks stay there.
+    Where the CPU has AVX512-BF16 but no AMX tiles, the kernel's bf16 pair products beat
+    torch's flash attention; where it has AMX, torch multiplies on the tiles and wins, so
+    chunks stay there (measured per kind of CPU: docs/kernels.md).
     """
     if dtype != torch.bfloat16 or quantized_kv:
         return False

@@ -319,12 +319,9 @@ class PagedAttention:
 
         Grouped-query heads are folded into query rows: the `Hq / Hkv` query heads that
         share a kv head become that head's rows, so the kernel streams each K/V once
-        instead of once per query head (`enable_gqa` does the latter): 1.6x faster at 4k
-        context on the target CPU, equal at 512.
-
-        Measured on the target CPU: SDPA over permuted views beats a hand-written grouped
-        matmul-softmax-matmul in bf16 (~30 µs vs ~210 µs at 512 context), because bf16
-        bmm on non-contiguous operands copies them first.
+        instead of once per query head (`enable_gqa` does the latter). SDPA over permuted
+        views beats a hand-written grouped matmul-softmax-matmul in bf16, because bf16 bmm
+        on non-contiguous operands copies them first (both measured: docs/kernels.md).
         """
         if self._decode_index is not None:
             return self._decode_padded(q, k_flat, v_flat)
@@ -364,9 +361,8 @@ class PagedAttention:
         The CPU flash kernel gives each (batch, kv head) pair to one thread: with 3 kv
         heads on 2 cores one thread does twice the work of the other. Slicing the context
         into a batch of equal parts makes the work divisible, and the slices' outputs are
-        merged exactly with their log-sum-exps (the same result to bf16 rounding). Measured
-        as whole decode steps on the target CPU: 45-46 vs 50-51 ms at 6k tokens of context,
-        about even at 3k, 1-2 ms slower at 1-2k (hence `SPLIT_DECODE_FROM`).
+        merged exactly with their log-sum-exps (the same result to bf16 rounding). It pays
+        off only at long contexts, hence `SPLIT_DECODE_FROM` (measured: docs/kernels.md).
         """
         L, Hkv, D = keys.shape
         Hq = q.shape[1]
@@ -495,10 +491,8 @@ class PagedAttention:
         ~offset^2/2 scores, nothing beside a chunk `SHORT_PREFIX_RATIO` times longer; the
         part-by-part path would instead pay, per layer, its merge of two partial outputs
         over every new row and copies of the chunk's queries and keys per query head. The
-        common case: a new conversation's first message after the shared system prompt.
-        Measured on the default model (W1's documents, two interleaved runs of four first
-        turns): a 3,049-token first message after 28 cached tokens took 1.06-1.18 s this
-        way against 1.26-1.33 s part by part.
+        common case: a new conversation's first message after the shared system prompt
+        (measured: docs/kernels.md).
         """
         assert view.prefix_runs is not None and view.new_slots is not None
         n, Hq, D = q.shape

@@ -1,4 +1,4 @@
-"""The engine's immutable stats snapshot (DESIGN.md "Metric definitions").
+"""The engine's immutable stats snapshot (docs/kv-cache.md, "Metric definitions").
 
 One meaning everywhere: the UI meters, the headless `stats` event and the bench
 all read these fields. Counters only grow; rates come from the difference of two
@@ -51,7 +51,7 @@ class EngineStats:
         return self.cached_tokens.total / self.prompt_tokens
 
     def to_json(self) -> dict[str, object]:
-        """The headless `stats` event body: DESIGN.md's field names, nested objects."""
+        """The headless `stats` event body (docs/architecture.md): these names, nested objects."""
         out = asdict(self)
         out["hit_rate"] = self.hit_rate
         return out

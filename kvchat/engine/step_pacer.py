@@ -31,10 +31,8 @@ AVERAGE_WEIGHT = 0.2  # of the newest decode-only step in the moving average
 MAX_CHANGE = 1.5  # the scale moves at most this factor per mixed step (noise damping)
 # Each mixed step moves the scale this fraction of the way to the one its timing asks for
 # (in log terms: the square root of target / measured). A full correction chased every
-# step's noise: the chunk swung with it and the slowest mixed steps, the streams' p99,
-# sat well above the target. Measured in W3 (`kvchat bench --workloads W3`, slowdown 3.0,
-# three runs each, AMD EPYC): the streams' p99 during the ingest 66.7/61.6/57.8 ms with
-# this, 73.7/69.7/67.9 ms with the full correction; ingest 18-20 s both.
+# step's noise, and the slowest mixed steps, the streams' p99, sat well above the target
+# (measured: docs/scheduler.md).
 RESPONSE = 0.5
 
 

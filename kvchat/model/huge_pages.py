@@ -5,8 +5,7 @@ contexts, as many bytes of K/V. In 4 KiB pages that is tens of thousands of TLB 
 a step; in 2 MiB pages a few dozen. Linux backs anonymous memory with huge pages either
 always or only where a program asks (`madvise(MADV_HUGEPAGE)`: "madvise" is a common
 default), and a request counts for memory not yet touched. So these helpers allocate,
-ask, and only then write. Interleaved A/B on the default model (4-bit decode at ~512
-tokens, `benchmarks/huge_pages_ab.py`): see the README's Numbers.
+ask, and only then write (measured with `benchmarks/experiments/huge_pages_ab.py`: docs/kernels.md).
 
 Best effort everywhere: off Linux, with THP turned off, or if `madvise` refuses, the
 tensors are ordinary ones with the same contents.

@@ -6,9 +6,8 @@ weight in the compute dtype; quantized kinds (see `quantized_linear.py`) keep
 
 A bf16 weight on the CPU is multiplied fastest in oneDNN's blocked layout, packed
 once when the model is built (`prepack`): `F.linear` re-lays the weight out at every
-call. Measured on the target CPU over all the default model's matrices: 24.6 ms
-dense vs 17.3 ms packed at 16 rows (decode), 29.5 vs 20.2 ms at 48, with identical
-results; no gain for float32, so only bf16 is packed.
+call. Packing gives identical results and no gain for float32, so only bf16 is packed
+(measured: docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -96,8 +95,8 @@ class DenseLinear:
             return packed_linear(x, self.packed, self.bias)
         assert self.weight is not None
         if x.shape[0] == 1 and x.device.type == "cpu":
-            # A single row (decode at batch 1): `mv` streams a bf16 weight ~1.4x faster
-            # than `F.linear`'s GEMM path on the target CPU (15.5 vs 11 GB/s measured).
+            # A single row (decode at batch 1): `mv` streams a bf16 weight faster than
+            # `F.linear`'s GEMM path (measured: docs/kernels.md).
             y = torch.mv(self.weight, x[0]).unsqueeze(0)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)

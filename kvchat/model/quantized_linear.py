@@ -25,8 +25,10 @@ from kvchat.model.linear import pack_weight, packed_linear
 
 GROUP_SIZE = 32
 INNER_K_TILES = 2
-DENSE_FROM_TOKENS = 16  # rows from which a dense copy (when kept) beats the int4 kernel (measured)
-PACKED_FROM_TOKENS = 10  # the same for a oneDNN-packed copy: 16.9 vs 19.5 ms at 10 rows (measured)
+# Rows from which a dense copy (when kept) beats the int4 kernel, and the same for a
+# oneDNN-packed copy (measured: docs/kernels.md).
+DENSE_FROM_TOKENS = 16
+PACKED_FROM_TOKENS = 10
 
 
 def int4_supported(device: torch.device, in_features: int, out_features: int) -> bool:

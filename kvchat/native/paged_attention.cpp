@@ -7,7 +7,7 @@
 // split): K/V are read in place through the page list and a long decode is spread
 // over every core. The kernel computes any causal chunk; kvchat sends it prefill
 // chunks too where it beats torch's flash attention on the CPU at hand (bf16 without
-// AMX tiles: engine/native_attention.py says what was measured); on AMX, torch's
+// AMX tiles: docs/kernels.md has the measurements); on AMX, torch's
 // blocked products on the tiles are faster for many query rows than these vector loops.
 //
 // Rows: a sequence's new tokens times the query heads that share a kv head, token
@@ -25,20 +25,14 @@
 // first (a copy, bf16/fp32 stores), which saves the caller four ops a layer.
 //
 // Many rows over bf16 K/V with AVX512-BF16 take `run_lanes_bf16` (bf16 pair products,
-// half the instructions of fp32 ones): a 20-token follow-up step after 6k tokens of
-// context spends 1.85 ms a layer in it on an AMD EPYC, against 2.63 ms in the fp32
-// `run_lanes` (torch profiler, the same step). It takes two blocks of 16 rows a pass
-// where there are more than 16, so each K/V pair is broadcast and each V tile
-// interleaved once for 32 rows: one layer, hot, 20 new tokens over 6k of context 1.23
-// vs 1.40 ms, 8 over 3k 0.29 vs 0.33 ms (medians of 3 interleaved runs; in a real
-// step the difference was within the machine's noise).
+// half the instructions of fp32 ones). It takes two blocks of 16 rows a pass where
+// there are more than 16, so each K/V pair is broadcast and each V tile interleaved
+// once for 32 rows.
 // Decodes over bf16 K/V on a CPU with AVX512-BF16 take `run_few_bf16`: scores by bf16
 // pair products (exact) summed in fp32, 16 tokens' sums at once, V widened once a token
 // for every row, and the next tile's K/V rows prefetched. A long context is read from
 // memory, not cache, in a real step (the weights pass through between layers), so the
-// prefetch matters as much as the arithmetic. Measured (decode steps of the default
-// model, interleaved with the previous kernel): 27.5 vs 29.6 ms at 6k tokens of
-// context, 19.0 vs 19.5 ms at 3k, 44.4 vs 45.4 ms for 8 decodes at 1k.
+// prefetch matters as much as the arithmetic. Measurements: docs/kernels.md.
 // Compiled on first use by kvchat/native/build.py.
 
 #include <ATen/Parallel.h>

@@ -1,6 +1,6 @@
 """The Textual TUI: sessions, streaming transcript, input, cache meters.
 
-What DESIGN.md's "What a user sees" describes.
+What a user sees (README.md, "Using it"); how it is built: docs/tui.md.
 
 It sits on the chat layer (`kvchat.chat`) and never imports torch: the real
 engine is reached only through `kvchat.tui.backend.start_real_backend`, which

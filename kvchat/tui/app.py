@@ -22,10 +22,8 @@ thread worker, so a switch never waits for the engine.
 The GIL's switch interval is 1 ms while the app runs (`GIL_SWITCH_INTERVAL_S`,
 Python's default 5 ms restored at exit): between two torch ops the engine thread
 needs the GIL back for microseconds of Python, and when the UI thread holds it in
-a screen update the engine waits until the interval forces a hand-over. Measured
-(`benchmarks/tui_throughput.py`-style runs of the TUI alone, interleaved, medians of
-4, AMD EPYC): 8 sessions streaming at 268.6 tok/s at 1 ms against 248.9 at 5 ms,
-268.2 at 0.2 ms; 252.2 at 0.5 ms against 237.7 at 5 ms in another set.
+a screen update the engine waits until the interval forces a hand-over (measured:
+docs/tui.md).
 
 The model loads in a thread worker behind `StartupScreen`; a `KvchatError`
 from it shows `FailedStartScreen`. Every action catches `KvchatError` and shows

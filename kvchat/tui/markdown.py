@@ -24,9 +24,8 @@ lines below its text (`RESERVE_LINES`): a new line fills a spare one, and only
 one line in `RESERVE_LINES` costs layouts. The spare lines are at the end of
 the streaming reply, and `end_stream` gives them back when it ends. A paragraph
 that starts streaming takes its spare lines before its first layout, in the one
-its mount costs anyway, instead of a frame later in a layout of its own (one
-reply of 256 tokens: 21 screen layouts became 14, and 10-12 with five spare lines
-instead of three; `benchmarks/tui_throughput.py`-style runs, instrumented).
+its mount costs anyway, instead of a frame later in a layout of its own (measured:
+docs/tui.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The meters panel: what the KV cache is doing, from `EngineStats` snapshots (DESIGN.md metrics).
+"""The meters panel: what the KV cache is doing, from `EngineStats` snapshots (docs/kv-cache.md).
 
 Why from snapshots at most 4 times a second: `stats()` is an immutable snapshot
 that is cheap to take, and counters only grow, so rates (evictions per second)

@@ -2,7 +2,7 @@
 
 Each turn renders the whole conversation with the chat template, tokenizes it
 and calls `generate` on all of it: nothing is kept between turns but the text,
-so every turn prefills the full history (DESIGN.md's first peer).
+so every turn prefills the full history (the first peer of docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """llama-cpp-python with one context, as llama-server with one slot behaves.
 
-This is the seed's setup: one context shared by every conversation, each request
-re-rendered to text and re-tokenized whole, and only the prefix it shares with
-the context's previous tokens reused (`Llama.generate` with `reset=True` keeps
-that prefix and evaluates the rest). Switching conversation therefore re-prefills
-the whole history. It runs on the default model's own GGUF (its native 4-bit
-weights), so its speed is not the same-dtype comparison the transformers peer
-gives; the report says so.
+This is the setup of a llama-server user with one slot: one context shared by every
+conversation, each request re-rendered to text and re-tokenized whole, and only the
+prefix it shares with the context's previous tokens reused (`Llama.generate` with
+`reset=True` keeps that prefix and evaluates the rest). Switching conversation therefore
+re-prefills the whole history. It runs on the default model's own GGUF (its native 4-bit
+weights), so its speed is not the same-dtype comparison the transformers peer gives; the
+report says so.
 
-Gotchas (NOTES.md): `Llama` defaults to half the cores, so the thread counts are
+Gotchas (docs/benchmarks.md, "Peers"): `Llama` defaults to half the cores, so the thread counts are
 set to torch's; end-of-sequence is "ignored" by pulling exactly N tokens from the
 `generate` iterator (no logit bias, which would silently drop with a logits
 processor).

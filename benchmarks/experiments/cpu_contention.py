@@ -1,4 +1,4 @@
-"""What another thread's CPU costs the engine: the ceiling behind issue 7's TUI bar.
+"""What another thread's CPU costs the engine: the ceiling on the TUI's throughput.
 
 The TUI's UI thread spends about 12% of a core while eight replies stream (see
 `tui_throughput.py`, which prints it). This script asks what *any* thread spending
@@ -10,7 +10,7 @@ optionally at a lower scheduling priority (`nice`). Each variant reports the eng
 tokens/s against the same load with no side thread, the side thread's share of a core,
 and its slowest burst (what a frame would wait).
 
-    python benchmarks/cpu_contention.py [--rounds 3] [--busy-ms 6]
+    python benchmarks/experiments/cpu_contention.py [--rounds 3] [--busy-ms 6]
 
 The GIL switch interval is the app's (`GIL_SWITCH_INTERVAL_S`) throughout.
 """
@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: tui_throughput
 
 import tui_throughput
 

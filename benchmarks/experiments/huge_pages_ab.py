@@ -1,7 +1,7 @@
 """A 4-bit decode step with the weights in 2 MiB pages (as kvchat places them) against
 the same weights in ordinary 4 KiB pages, interleaved in one process.
 
-    python benchmarks/huge_pages_ab.py [--context 512] [--rounds 8] [--steps 30]
+    python benchmarks/experiments/huge_pages_ab.py [--context 512] [--rounds 8] [--steps 30]
 
 One request decodes on an engine stepped by hand; each round runs `--steps` steps on
 each placement, alternating which goes first, by swapping every linear layer's tensors

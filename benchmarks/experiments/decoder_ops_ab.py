@@ -1,7 +1,7 @@
 """A 4-bit decode step with the layers' small ops fused (kvchat's kernels) against the
 same ops in torch, interleaved in one process so the machine's drift hits both alike.
 
-    python benchmarks/decoder_ops_ab.py [--context 512] [--rounds 6] [--steps 40]
+    python benchmarks/experiments/decoder_ops_ab.py [--context 512] [--rounds 6] [--steps 40]
 
 One request decodes on an engine stepped by hand; each round runs `--steps` steps with
 the fused ops, then as many with torch's, alternating which goes first. Prints each

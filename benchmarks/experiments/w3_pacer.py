@@ -1,6 +1,6 @@
 """W3 under several step-pacer settings, in one process, and what a mixed step costs.
 
-    python benchmarks/w3_pacer.py [--slowdowns 4,3,2.5]
+    python benchmarks/experiments/w3_pacer.py [--slowdowns 4,3,2.5]
 
 First, the cost floor the pacer works against: a step of three short streams, alone and
 beside a prompt that is prefilled at the smallest chunk (`min_prefill_chunk` tokens a

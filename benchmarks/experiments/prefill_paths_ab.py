@@ -1,7 +1,7 @@
 """Prefill paths side by side in one process: the step token budget, and how a chunk
 reads a cached prefix.
 
-    python benchmarks/prefill_paths_ab.py [--prompt 3049] [--history 6152] [--rounds 6]
+    python benchmarks/experiments/prefill_paths_ab.py [--prompt 3049] [--history 6152] [--rounds 6]
 
 Two comparisons on the default model, each variant's runs interleaved with the others'
 (the order reversed every round) so the machine's drift hits all alike; medians printed:

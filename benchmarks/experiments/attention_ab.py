@@ -1,6 +1,7 @@
 """Decode speed with kvchat's attention kernel against torch's SDPA, interleaved in one process.
 
-    python benchmarks/attention_ab.py [--contexts 512,3072,6144] [--repeats 3] [--kv int8]
+    python benchmarks/experiments/attention_ab.py [--contexts 512,3072,6144] [--repeats 3] \
+        [--kv int8]
 
 For each context length: a session reads a document of that many tokens and answers
 with 64 tokens; the decode rate is taken after the first token. The two attentions
