@@ -13,7 +13,7 @@ and evicting it from the device again later then costs no copy. Residency counts
 such a page once, at the device.
 
 When the tier is full, a slot is dropped in the page table's order, for the same
-reasons (see `PageTable`): orphans first (an entry whose parent is in neither
+reasons (see `eviction`): orphans first (an entry whose parent is in neither
 tier can never be matched again), then whole trees by least-recently-used root,
 deepest page first, so the longest prefix of each conversation survives longest.
 Partial pages never come here: the page table drops them on eviction.

@@ -19,22 +19,33 @@ touches (dict indexes, a free-page heap), except victim selection, which scans
 the cached pages once per allocation that has to evict.
 
 The table is not thread-safe: the engine calls it from its step thread only.
+Its parts each live in a file: `prefix_index` (hash -> page, tails), `free_pages`
+(the allocator), `eviction` (the victim order and why), `defragment` (idle
+packing) and `page_table_invariants` (the checker behind `validate()`). What
+stays here is one class on purpose: admission, commit and release each change the
+pages, the index, the free list and the counters in one step, and the invariants
+tie those together.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from kvchat.engine.cache_counters import CacheCounters, PageTableStats, TierStats
+from kvchat.engine.defragment import (
+    defrag_layout,
+    defrag_targets,
+    move_into_place,
+)
+from kvchat.engine.eviction import eviction_order
+from kvchat.engine.free_pages import FreePages
 from kvchat.engine.host_tier import HostTier
 from kvchat.engine.page_hash import page_hash
-
-# Free pages left after each cached tree by `defragment` (when the pool has room): room for
-# a conversation's next turn (a user message and a reply) to extend its run in place.
-DEFRAG_GAP_PAGES = 2
+from kvchat.engine.page_records import Page, SeqPages
+from kvchat.engine.page_table_invariants import page_table_problems
+from kvchat.engine.prefix_index import PrefixIndex
 
 
 class PageTableCorrupt(AssertionError):
@@ -98,82 +109,11 @@ class PageInfo:
     indexed: bool  # matchable by hash (a full page computed twice keeps one copy indexed)
 
 
-class _Page:
-    """Mutable state of one device page; only the table touches it."""
-
-    __slots__ = ("hash", "index", "last_used", "parent", "refcount", "tokens")
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.hash: bytes | None = None
-        self.parent: bytes | None = None
-        self.tokens: list[int] = []  # len(tokens) is the number of filled slots
-        self.refcount = 0
-        self.last_used = 0
-
-
-class _Seq:
-    __slots__ = ("num_tokens", "pages")
-
-    def __init__(self, pages: list[int], num_tokens: int) -> None:
-        self.pages = pages
-        self.num_tokens = num_tokens  # tokens whose K/V is written
-
-
-@dataclass
-class _Walk:
-    """The result of matching a token list against both tiers (no state changed)."""
-
-    chain: list[tuple[bytes, int | None]]  # per matched full page: hash, device page or None
-    prev: bytes  # hash after the matched chain (the tail's parent)
-    tail_src: int | None  # device page to copy the tail from
-    tail_host: bytes | None  # or: host page to restore partially as the tail
-    tail_len: int
-
-
-@dataclass(frozen=True)
-class _Place:
-    """A page's position for eviction: orphan or not, its tree's root and recency, its depth."""
-
-    orphan: bool
-    root_clock: int | None  # last use of the tree's root; None above the root (the salt)
-    root: bytes  # the root's hash: keeps trees with equal clocks from interleaving
-    depth: int  # pages from the root down to this one (the salt is 0)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case (a whole tail matches) in one C-level comparison
-        return n
-    i = 0
-    while a[i] == b[i]:  # stops before n: the slices differ somewhere
-        i += 1
-    return i
-
-
 class PageTable:
     """Device pages of one KV pool: allocation, prefix sharing, eviction, host tier, defrag.
 
-    Eviction order (`_eviction_order`), when the free list is empty:
-
-    1. Empty pages: the free list itself; nothing is lost.
-    2. Orphaned chains: cached pages whose parent hash is in neither tier (and
-       their descendants). A lookup walks chains from the root, so these can never
-       be matched again; keeping them only costs space.
-    3. Whole trees, least-recently-used root first, deepest page first.
-
-    Why not something simpler: plain per-page LRU evicts a conversation's *first*
-    pages as readily as its last ones (a prefix's pages are all touched at the
-    same time, and the root is the oldest), and one missing page in the middle of
-    a chain makes every page after it unreachable: the whole history is
-    recomputed to save one page. Evicting leaf first keeps each surviving part a
-    valid prefix, so a partly evicted conversation still hits on its longest
-    prefix and recomputes (or restores) only its tail. Taking whole trees by the
-    recency of their root (touched by every request that uses the tree) finishes
-    one cold conversation before cutting into a warm one, instead of shaving every
-    conversation a little so that each misses its tail on its next turn. Orphans
-    go before all trees since they are pure waste.
-
+    When no page is free, cached pages are evicted in the order `eviction` gives
+    (orphans, then whole trees by least-recently-used root, deepest page first).
     Evicting a full indexed page copies it to the host tier (or finds it there
     already); a partial page, or any page without a host tier, is dropped.
     Referenced pages are never victims.
@@ -196,15 +136,11 @@ class PageTable:
         self.salt = salt
         self.host = host
         self._mover = mover
-        self._pages = [_Page(i) for i in range(num_pages)]
-        self._free = list(range(num_pages))  # a heap: lowest page first, so pages stay packed
+        self._pages = [Page(i) for i in range(num_pages)]
+        self._free = FreePages(range(num_pages))  # lowest page first, so pages stay packed
         self._cached: set[int] = set()  # refcount 0, holding content
-        self._index: dict[bytes, int] = {}  # hash -> the indexed full page
-        # hash -> live full pages computed twice (concurrently): one takes over the index
-        # when the indexed page is evicted, so a hash held on the device is always indexed
-        self._dups: dict[bytes, set[int]] = {}
-        self._children: dict[bytes, set[int]] = {}  # parent hash -> pages with content under it
-        self._seqs: dict[int, _Seq] = {}
+        self._index = PrefixIndex(self._pages, page_size)
+        self._seqs: dict[int, SeqPages] = {}
         self._clock = 0  # logical: one tick per operation
         self._counters = CacheCounters()
 
@@ -233,7 +169,7 @@ class PageTable:
         if n == 0:
             raise ValueError("a sequence needs at least one token")
         ps = self.page_size
-        walk = self._walk(tokens, n - 1, host_tail=True)
+        walk = self._index.walk(tokens, n - 1, self.salt, self.host, host_tail=True)
         device_hits = [p for _, p in walk.chain if p is not None]
         total_pages = n // ps + 1  # ceil((n + 1) / ps): the prompt plus one generated token
         need = total_pages - len(device_hits)
@@ -297,7 +233,7 @@ class PageTable:
                 self.host.touch(walk.tail_host, clock)
                 cached_host += m
             page.parent = parent
-            self._children.setdefault(parent, set()).add(p)
+            self._index.add_child(parent, p)
             page.refcount = 1
             page.last_used = clock
             pages.append(p)
@@ -307,7 +243,7 @@ class PageTable:
             pages.append(p)
 
         cached = cached_device + cached_host
-        self._seqs[seq_id] = _Seq(pages, cached)
+        self._seqs[seq_id] = SeqPages(pages, cached)
         c = self._counters
         if count_as == "prompt":
             c.prompt_tokens += n
@@ -360,7 +296,7 @@ class PageTable:
                 parent = self.salt if pi == 0 else self._pages[seq.pages[pi - 1]].hash
                 assert parent is not None, "the previous page of a sequence is full and hashed"
                 page.parent = parent
-                self._children.setdefault(parent, set()).add(p)
+                self._index.add_child(parent, p)
             take = min(ps - pos % ps, len(token_ids) - done)
             page.tokens.extend(token_ids[done : done + take])
             page.last_used = self._clock
@@ -369,11 +305,8 @@ class PageTable:
             if len(page.tokens) == ps:
                 assert page.parent is not None
                 page.hash = page_hash(page.parent, page.tokens)
-                if page.hash not in self._index:
-                    self._index[page.hash] = p
+                if self._index.add_full(page.hash, p):
                     self._drop_dominated_siblings(p)
-                else:
-                    self._dups.setdefault(page.hash, set()).add(p)
 
     def release(self, seq_id: int) -> None:
         """End a sequence: its full pages stay as the prompt cache, its partial page as a tail."""
@@ -417,7 +350,7 @@ class PageTable:
     def residency(self, token_ids: Sequence[int]) -> Residency:
         """Where this token history's K/V is, without changing any state (not even the clock)."""
         tokens = tuple(token_ids)
-        walk = self._walk(tokens, len(tokens), host_tail=False)
+        walk = self._index.walk(tokens, len(tokens), self.salt, self.host, host_tail=False)
         ps = self.page_size
         device = sum(ps for _, p in walk.chain if p is not None) + walk.tail_len
         host = sum(ps for _, p in walk.chain if p is None)
@@ -431,7 +364,7 @@ class PageTable:
         of other chains are used. Returns the number of pages restored.
         """
         tokens = tuple(token_ids)
-        walk = self._walk(tokens, len(tokens), host_tail=False)
+        walk = self._index.walk(tokens, len(tokens), self.salt, self.host, host_tail=False)
         host_only = [h for h, p in walk.chain if p is None]
         if not host_only:
             return 0
@@ -459,37 +392,16 @@ class PageTable:
         """
         if self._seqs:
             return 0
-        trees = self._defrag_layout()
-        cached = sum(len(t) for t in trees)
-        spare_pages = self.num_pages - cached
-        gap = min(DEFRAG_GAP_PAGES, spare_pages // len(trees)) if trees else 0
-        targets: list[tuple[int, _Page]] = []
-        t = 0
-        for tree in trees:
-            for page in tree:
-                targets.append((t, page))
-                t += 1
-            t += gap
+        targets = defrag_targets(
+            defrag_layout(self._cached, self._pages, self._index), self.num_pages
+        )
         misplaced = sum(1 for t, page in targets if page.index != t)
         if misplaced == 0 or (misplaced * 10 < self.num_pages and not resuming):
             return 0
         limit = max_moves if max_moves is not None else 2 * self.num_pages
-        free = set(self._free)
-        moves = 0
-        for t, page in targets:
-            if page.index == t:
-                continue
-            if self._pages[t].tokens:  # occupied by a page that belongs elsewhere: park it
-                spare = max((f for f in free if f != t), default=None)
-                if spare is None or moves + 2 > limit:
-                    break
-                self._move(t, spare, free)
-                moves += 1
-            if moves + 1 > limit:
-                break
-            self._move(page.index, t, free)
-            moves += 1
-        self._free = sorted(free)  # a sorted list is a valid heap
+        free = set(self._free.pages())
+        moves = move_into_place(targets, self._pages, free, limit, self._move)
+        self._free.replace(free)
         return moves
 
     # ---- introspection -------------------------------------------------------------------
@@ -521,7 +433,7 @@ class PageTable:
 
     def page_info(self, index: int) -> PageInfo:
         page = self._pages[index]
-        indexed = page.hash is not None and self._index.get(page.hash) == index
+        indexed = self._index.is_indexed(index)
         return PageInfo(
             index,
             page.hash,
@@ -539,144 +451,26 @@ class PageTable:
             raise PageTableCorrupt("; ".join(problems[:5]))
 
     def _problems(self) -> list[str]:
-        out: list[str] = []
-        ps = self.page_size
-        free = set(self._free)
-        if len(free) != len(self._free):
-            out.append("a page is on the free list twice")
-        refs: dict[int, int] = {}
-        for sid, seq in self._seqs.items():
-            if len(set(seq.pages)) != len(seq.pages):
-                out.append(f"sequence {sid} holds a page twice: {seq.pages}")
-            if not 0 <= seq.num_tokens <= len(seq.pages) * ps:
-                out.append(f"sequence {sid}: {seq.num_tokens} tokens in {len(seq.pages)} pages")
-            for i, p in enumerate(seq.pages):
-                refs[p] = refs.get(p, 0) + 1
-                page = self._pages[p]
-                want = min(ps, max(0, seq.num_tokens - i * ps))
-                if len(page.tokens) != want:
-                    out.append(
-                        f"sequence {sid} page #{i} (device {p}) holds {len(page.tokens)} "
-                        f"tokens, expected {want}"
-                    )
-                if page.tokens:
-                    parent = self.salt if i == 0 else self._pages[seq.pages[i - 1]].hash
-                    if page.parent != parent:
-                        out.append(f"sequence {sid} page #{i} (device {p}) has a wrong parent")
-        for p, page in enumerate(self._pages):
-            if page.index != p:
-                out.append(f"page record {p} says it is page {page.index}")
-            states = [p in free, page.refcount > 0, p in self._cached]
-            if sum(states) != 1:
-                out.append(
-                    f"page {p} is in {sum(states)} of free/referenced/cached "
-                    f"(free={states[0]}, refcount={page.refcount}, cached={states[2]})"
-                )
-            if page.refcount != refs.get(p, 0):
-                out.append(f"page {p}: refcount {page.refcount} but {refs.get(p, 0)} holders")
-            if page.last_used > self._clock:
-                out.append(f"page {p}: last_used {page.last_used} is after the clock")
-            if p in free and (page.tokens or page.hash is not None or page.parent is not None):
-                out.append(f"free page {p} still has content")
-            if p in self._cached and not page.tokens:
-                out.append(f"cached page {p} holds no tokens")
-            if not page.tokens:
-                if page.hash is not None or page.parent is not None:
-                    out.append(f"empty page {p} has a hash or parent")
-                continue
-            if len(page.tokens) > ps:
-                out.append(f"page {p} holds {len(page.tokens)} tokens > page size")
-            if page.parent is None:
-                out.append(f"page {p} has tokens but no parent")
-            elif p not in self._children.get(page.parent, ()):
-                out.append(f"page {p} is missing from its parent's children")
-            if len(page.tokens) == ps:
-                h = page.hash
-                if h is None or (self._index.get(h) != p and p not in self._dups.get(h, ())):
-                    out.append(f"full page {p} is neither indexed nor a listed duplicate")
-                if page.hash is None or page.parent is None:
-                    out.append(f"full page {p} has no hash")
-                elif page_hash(page.parent, page.tokens) != page.hash:
-                    out.append(f"full page {p}: stored hash differs from the hash of its tokens")
-                if p in self._cached and self._index.get(page.hash or b"") != p:
-                    out.append(f"cached full page {p} is not indexed")
-            elif page.hash is not None:
-                out.append(f"partial page {p} has a hash")
-        for h, p in self._index.items():
-            page = self._pages[p]
-            if page.hash != h or len(page.tokens) != ps:
-                out.append(f"index entry for page {p} names a page that is not that full page")
-        for h, dups in self._dups.items():
-            if not dups:
-                out.append("an empty duplicate set was left behind")
-            if h not in self._index:
-                out.append("a page computed twice has no indexed copy")
-            for p in dups:
-                page = self._pages[p]
-                if page.hash != h or page.refcount == 0 or self._index.get(h) == p:
-                    out.append(f"page {p} is listed as a live duplicate but is not one")
-        for parent, kids in self._children.items():
-            if not kids:
-                out.append("an empty children set was left behind")
-            for p in kids:
-                if self._pages[p].parent != parent or not self._pages[p].tokens:
-                    out.append(f"page {p} is listed under a parent it does not have")
-        if self.host is not None:
-            out.extend(self.host.problems(ps))
-        c = self._counters
-        values = vars(c).values()
-        if any(v < 0 for v in values):
-            out.append(f"a counter is negative: {c}")
-        if c.prompt_tokens != c.cached_device + c.cached_host + c.cached_disk + c.prefilled_tokens:
-            out.append(f"prompt tokens != cached + prefilled: {c}")
-        return out
+        return page_table_problems(
+            page_size=self.page_size,
+            salt=self.salt,
+            clock=self._clock,
+            pages=self._pages,
+            free_list=self._free.pages(),
+            cached=self._cached,
+            index=self._index,
+            seqs=self._seqs,
+            host=self.host,
+            counters=self._counters,
+        )
 
     # ---- internals -----------------------------------------------------------------------
 
-    def _seq(self, seq_id: int) -> _Seq:
+    def _seq(self, seq_id: int) -> SeqPages:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise ValueError(f"sequence {seq_id} is not live")
         return seq
-
-    def _walk(self, tokens: tuple[int, ...], limit: int, *, host_tail: bool) -> _Walk:
-        """Match `tokens` against both tiers, covering at most `limit` tokens. Changes nothing."""
-        ps = self.page_size
-        host = self.host
-        chain: list[tuple[bytes, int | None]] = []
-        prev = self.salt
-        capped: bytes | None = None
-        i = 0
-        while (i + 1) * ps <= len(tokens):
-            h = page_hash(prev, tokens[i * ps : (i + 1) * ps])
-            if (i + 1) * ps > limit:
-                capped = h  # a full hit here would leave nothing to compute: reuse it as a tail
-                break
-            p = self._index.get(h)
-            if p is not None:
-                chain.append((h, p))
-            elif host is not None and h in host:
-                chain.append((h, None))
-            else:
-                break
-            prev = h
-            i += 1
-        start = i * ps
-        max_m = min(ps, limit - start)
-        tail_src: int | None = None
-        tail_host: bytes | None = None
-        best = 0
-        if max_m > 0:
-            want = list(tokens[start : start + max_m])
-            for p in self._children.get(prev, ()):
-                m = _common_prefix(self._pages[p].tokens, want)
-                # the longest match wins; the lowest page number breaks ties (deterministic)
-                if m > best or (m == best > 0 and tail_src is not None and p < tail_src):
-                    best, tail_src = m, p
-            restorable = capped is not None and host is not None and capped in host
-            if host_tail and best < max_m and restorable:
-                best, tail_src, tail_host = max_m, None, capped
-        return _Walk(chain, prev, tail_src, tail_host, best)
 
     def _can_allocate(self, n: int, keep: set[int]) -> bool:
         evictable = len(self._cached) - len(self._cached & keep)
@@ -704,97 +498,22 @@ class PageTable:
         whose pages are consecutive is a plain slice of the store, which attention reads in place;
         scattered pages must be gathered (copied) every step (benchmarks/defrag.py).
         """
-        out = self._take_free_run(n, after)
+        out = self._free.take_run(n, after)
         order: list[int] | None = None
         pos = 0
         while len(out) < n:
             if self._free:
-                out.append(heapq.heappop(self._free))
+                out.append(self._free.pop_lowest())
                 continue
             if order is None:
-                order = self._eviction_order(keep)
+                order = eviction_order(
+                    self._cached, keep, self._pages, self._index, self.host, self.salt
+                )
             victim = order[pos]
             pos += 1
             self._evict(victim, protect_host)
             out.append(victim)
         return out
-
-    def _take_free_run(self, n: int, after: int | None) -> list[int]:
-        """Remove and return `n` consecutive free pages, or none if no such run exists.
-
-        Right after `after` when those pages are free (the sequence stays one run).
-        Otherwise in the middle of the largest free run: a sequence grows forward, so
-        the free pages left after it let it keep growing in place, and the pages left
-        before it serve the next sequence the same way. Packing sequences at the lowest
-        run instead makes every one that grows past its page jump elsewhere and be
-        gathered (copied) at every decode step from then on.
-        """
-        if n <= 0 or len(self._free) < n:
-            return []
-        free = set(self._free)
-        start: int | None = None
-        if after is not None and all(after + 1 + i in free for i in range(n)):
-            start = after + 1
-        else:
-            best_start, best_len = 0, 0
-            run_start, run_len, prev = 0, 0, -2
-            for p in sorted(free):
-                run_start, run_len = (run_start, run_len + 1) if p == prev + 1 else (p, 1)
-                prev = p
-                if run_len > best_len:
-                    best_start, best_len = run_start, run_len
-            if best_len >= n:
-                start = best_start + (best_len - n) // 2
-        if start is None:
-            return []
-        self._free = [p for p in self._free if not start <= p < start + n]
-        heapq.heapify(self._free)
-        return list(range(start, start + n))
-
-    def _eviction_order(self, keep: set[int]) -> list[int]:
-        """Cached pages, first victim first (see the class docstring for why this order)."""
-        memo: dict[bytes, _Place] = {self.salt: _Place(False, None, b"", 0)}
-        keyed: list[tuple[int, int, bytes, int, int]] = []
-        for p in self._cached:
-            if p in keep:
-                continue
-            page = self._pages[p]
-            assert page.parent is not None
-            above = self._resolve(page.parent, memo)
-            depth = above.depth + 1
-            if above.orphan:
-                keyed.append((0, 0, b"", -depth, p))
-            elif above.root_clock is None:  # this page is its tree's root
-                keyed.append((1, page.last_used, page.hash or b"", -depth, p))
-            else:
-                keyed.append((1, above.root_clock, above.root, -depth, p))
-        keyed.sort()
-        return [k[-1] for k in keyed]
-
-    def _resolve(self, h: bytes, memo: dict[bytes, _Place]) -> _Place:
-        """Where the page named `h` sits in its tree, looked up through both tiers."""
-        path: list[tuple[bytes, int]] = []
-        cur = h
-        while cur not in memo:
-            p = self._index.get(cur)
-            if p is not None:
-                parent, used = self._pages[p].parent, self._pages[p].last_used
-            elif self.host is not None and cur in self.host:
-                parent, used = self.host.parent_of(cur), self.host.last_used(cur)
-            else:  # the chain is broken here: every page below it is an orphan
-                memo[cur] = _Place(True, None, b"", 0)
-                break
-            assert parent is not None
-            path.append((cur, used))
-            cur = parent
-        place = memo[cur]
-        for node, used in reversed(path):
-            if place.root_clock is None and not place.orphan:  # `node` is a tree's root
-                place = _Place(False, used, node, place.depth + 1)
-            else:
-                place = _Place(place.orphan, place.root_clock, place.root, place.depth + 1)
-            memo[node] = place
-        return memo[h]
 
     def _evict(self, p: int, protect_host: set[bytes]) -> None:
         """Empty a cached page: to the host tier if it is a full indexed page, else dropped."""
@@ -830,23 +549,7 @@ class PageTable:
     def _clear(self, p: int) -> None:
         """Forget a page's content (it leaves the index, its parent's children and the cache)."""
         page = self._pages[p]
-        h = page.hash
-        if h is not None and self._index.get(h) == p:
-            del self._index[h]
-            dups = self._dups.get(h)
-            if dups:  # a live copy of the same page stays matchable
-                self._index[h] = dups.pop()
-                if not dups:
-                    del self._dups[h]
-        elif h is not None and p in self._dups.get(h, ()):
-            self._dups[h].discard(p)
-            if not self._dups[h]:
-                del self._dups[h]
-        if page.parent is not None:
-            kids = self._children[page.parent]
-            kids.discard(p)
-            if not kids:
-                del self._children[page.parent]
+        self._index.forget(p)
         self._cached.discard(p)
         page.hash = None
         page.parent = None
@@ -872,24 +575,23 @@ class PageTable:
         page.parent = entry.parent
         page.tokens = list(entry.tokens)
         page.last_used = clock
-        self._index[h] = p
-        self._children.setdefault(entry.parent, set()).add(p)
+        self._index.add_restored(h, entry.parent, p)
 
     def _settle(self, p: int) -> None:
         """A page's last holder let go: keep it as cache if it can be matched, else free it."""
         page = self._pages[p]
         if not page.tokens:
-            heapq.heappush(self._free, p)
+            self._free.push(p)
             return
         if len(page.tokens) == self.page_size:
             assert page.hash is not None
-            if self._index[page.hash] != p:  # a duplicate of an indexed page: nothing to keep
+            if self._index.get(page.hash) != p:  # a duplicate of an indexed page: nothing to keep
                 self._clear(p)
-                heapq.heappush(self._free, p)
+                self._free.push(p)
                 return
         elif self._is_dominated(p):
             self._clear(p)
-            heapq.heappush(self._free, p)
+            self._free.push(p)
             return
         self._cached.add(p)
         self._drop_dominated_siblings(p)
@@ -899,7 +601,7 @@ class PageTable:
         page = self._pages[p]
         assert page.parent is not None
         n = len(page.tokens)
-        for q in self._children.get(page.parent, ()):
+        for q in self._index.children_of(page.parent):
             other = self._pages[q]
             if q == p or len(other.tokens) < n or other.tokens[:n] != page.tokens:
                 continue
@@ -911,7 +613,7 @@ class PageTable:
         """Free cached partial pages whose tokens are a prefix of page `p`'s: `p` matches better."""
         page = self._pages[p]
         assert page.parent is not None
-        for q in list(self._children.get(page.parent, ())):
+        for q in list(self._index.children_of(page.parent)):
             other = self._pages[q]
             n = len(other.tokens)
             if (
@@ -922,63 +624,18 @@ class PageTable:
                 and page.tokens[:n] == other.tokens
             ):
                 self._clear(q)
-                heapq.heappush(self._free, q)
+                self._free.push(q)
 
-    def _defrag_layout(self) -> list[list[_Page]]:
-        """Cached pages in target order, per tree: trees longest chain first, each depth first."""
-        kids: dict[int, list[int]] = {}
-        roots: list[int] = []
-        for p in self._cached:
-            page = self._pages[p]
-            assert page.parent is not None
-            parent = self._index.get(page.parent)
-            if parent is not None and parent in self._cached:
-                kids.setdefault(parent, []).append(p)
-            else:
-                roots.append(p)
-        height: dict[int, int] = {}
-
-        def measure(root: int) -> None:  # iterative post-order: chains can be long
-            stack = [(root, False)]
-            while stack:
-                p, done = stack.pop()
-                if done:
-                    height[p] = 1 + max((height[k] for k in kids.get(p, ())), default=0)
-                else:
-                    stack.append((p, True))
-                    stack.extend((k, False) for k in kids.get(p, ()))
-
-        for r in roots:
-            measure(r)
-        trees: list[list[_Page]] = []
-        for r in sorted(roots, key=lambda r: (-height[r], r)):
-            order: list[_Page] = []
-            trees.append(order)
-            stack = [r]
-            while stack:
-                p = stack.pop()
-                order.append(self._pages[p])
-                # push the tallest child last so it is laid out right after its parent
-                stack.extend(sorted(kids.get(p, ()), key=lambda k: (height[k], -k)))
-        return trees
-
-    def _move(self, src: int, dst: int, free: set[int]) -> None:
+    def _move(self, src: int, dst: int) -> None:
         """Move a cached page's K/V and bookkeeping from `src` to the free page `dst`."""
         self._mover.move_page(src, dst)
         page = self._pages[src]
         self._pages[dst] = page
-        self._pages[src] = _Page(src)
+        self._pages[src] = Page(src)
         page.index = dst
-        if page.hash is not None and self._index.get(page.hash) == src:
-            self._index[page.hash] = dst
-        assert page.parent is not None
-        kids = self._children[page.parent]
-        kids.discard(src)
-        kids.add(dst)
+        self._index.moved(page, src, dst)
         self._cached.discard(src)
         self._cached.add(dst)
-        free.discard(dst)
-        free.add(src)
 
 
 def _opt(x: int | bytes | None) -> set:

@@ -1,0 +1,31 @@
+"""The page table's mutable records: one per device page, one per live sequence.
+
+Only the page table and its parts (prefix index, eviction, defragmentation, the
+invariant checker) touch these; everyone else sees the frozen `PageInfo`.
+"""
+
+from __future__ import annotations
+
+
+class Page:
+    """Mutable state of one device page."""
+
+    __slots__ = ("hash", "index", "last_used", "parent", "refcount", "tokens")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.hash: bytes | None = None
+        self.parent: bytes | None = None
+        self.tokens: list[int] = []  # len(tokens) is the number of filled slots
+        self.refcount = 0
+        self.last_used = 0
+
+
+class SeqPages:
+    """The pages of one live sequence, in order, and how many of its tokens are written."""
+
+    __slots__ = ("num_tokens", "pages")
+
+    def __init__(self, pages: list[int], num_tokens: int) -> None:
+        self.pages = pages
+        self.num_tokens = num_tokens  # tokens whose K/V is written
