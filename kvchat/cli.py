@@ -82,7 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--repeats", type=int, default=None)
     bench.add_argument(
-        "--out", default="benchmarks/results", help="folder for the JSON, Markdown and PNG"
+        "--out",
+        default=None,
+        help="folder for the JSON, Markdown and PNG (default: benchmarks/runs/DATE-CPU, "
+        "git-ignored)",
     )
     _add_model_options(bench)
     sub.add_parser("models", help="list the models kvchat knows locally")
@@ -98,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["chat", *argv]  # `kvchat --model X` opens the TUI like `kvchat chat --model X`
     args = parser.parse_args(argv)
+    args.argv = argv  # `kvchat bench` records the command line it ran
     command = args.command
     try:
         if command == "ask":

@@ -164,3 +164,53 @@ def test_percentile_is_nearest_rank_and_common_prefix_counts_shared_ids():
     assert percentile(list(range(1, 101)), 99) == 99
     assert percentile([], 99) == 0.0
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+
+
+def _strings(value) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (*_strings(k), *_strings(v))]
+    if isinstance(value, list | tuple):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def test_bench_json_says_what_produced_it_and_names_no_folder_of_the_machine(bench):
+    _, results, out = bench
+    assert results["kvchat"]["version"]
+    git = results["kvchat"]["git"]
+    assert git is None or len(git["commit"]) == 40
+    assert results["machine"]["cpu"] and results["machine"]["torch"]
+    assert results["command"].startswith("kvchat bench --quick --model tiny ")
+    assert "--out out" in results["command"]
+    assert not [s for s in _strings(results) if s.startswith("/") or str(out) in s]
+    assert "- kvchat: " in (out / "bench.md").read_text()
+
+
+def test_recorded_command_lines_cut_folders_and_quote_what_a_shell_would_split():
+    from kvchat.bench.provenance import command_line, cpu_slug, default_out
+
+    argv = ["bench", "--model=/home/me/m.gguf", "--out", "/tmp/x y", "--repeats", "1"]
+    assert command_line(argv) == "kvchat bench --model=m.gguf --out 'x y' --repeats 1"
+    assert cpu_slug("Intel(R) Xeon(R) Processor") == "intel-xeon"
+    assert cpu_slug("AMD EPYC 9R14 96-Core Processor") == "amd-epyc-9r14-96-core"
+    assert cpu_slug("Intel(R) Core(TM) i7-8650U CPU @ 1.90GHz") == "intel-core-i7-8650u"
+    assert default_out("AMD EPYC").parts[:2] == ("benchmarks", "runs")
+
+
+def test_the_default_bench_folder_is_ignored_by_git_and_the_committed_results_are_not():
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    kept = sorted((root / "benchmarks" / "results").glob("*/bench.json"))
+    assert kept, "the latest full run per machine is committed under benchmarks/results/"
+
+    def ignored(path: str) -> bool:
+        done = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", path], check=False)
+        return done.returncode == 0
+
+    assert ignored("benchmarks/runs/2026-01-01-0000-cpu/bench.json")
+    assert not any(ignored(str(p.relative_to(root))) for p in kept)

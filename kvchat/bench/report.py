@@ -238,6 +238,18 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
 }
 
 
+def _revision(results: dict) -> str:
+    """'0.1.0, commit abc1234 (with local changes)', or what is known of it."""
+    info = results.get("kvchat")
+    if not info:
+        return "version and commit not recorded"
+    git = info.get("git")
+    if not git:
+        return f"{info['version']}, not run from a git checkout"
+    dirty = " (with local changes)" if git["dirty"] else ""
+    return f"{info['version']}, commit {git['commit'][:12]}{dirty}"
+
+
 def markdown(results: dict) -> str:
     """The report as Markdown: the machine, the engines, one table per workload, the targets."""
     info = results["machine"]
@@ -247,6 +259,7 @@ def markdown(results: dict) -> str:
         "",
         f"- Machine: {machine_line(info)}",
         f"- Model: {model['name']} ({model['dtype']}), KV pages of {model['page_size']} tokens",
+        f"- kvchat: {_revision(results)}",
         f"- Run: {'quick (reduced sizes: not representative)' if results['quick'] else 'full'}, "
         f"{results['repeats']} repeat(s), medians; `{results['command']}`",
     ]

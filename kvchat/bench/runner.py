@@ -5,7 +5,10 @@ peers (`--peers transformers-naive,transformers-cache,llama.cpp`; default: every
 one that is installed), the repeats and the output folder. A peer that cannot
 run here (package missing, a model that is not a GGUF for llama.cpp) is skipped
 with its reason in the report; a peer that fails mid-run loses only its own
-numbers. The exit code is 1 only when kvchat itself failed a workload.
+numbers. The exit code is 1 only when kvchat itself failed a workload. Each run writes
+into a folder of its own under the git-ignored `benchmarks/runs/` unless `--out` says
+otherwise; `bench.json` records kvchat's version and commit and the command line
+(`provenance.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,13 @@ from kvchat.bench.machine import (
 )
 from kvchat.bench.peers.base import PeerUnavailable
 from kvchat.bench.peers.kvchat import KvchatPeer
+from kvchat.bench.provenance import (
+    command_line,
+    default_out,
+    git_revision,
+    kvchat_version,
+    without_folders,
+)
 from kvchat.bench.report import markdown, write_report
 from kvchat.bench.workloads import WORKLOAD_NAMES, WORKLOADS, BenchContext, make_plan
 from kvchat.errors import KvchatError
@@ -136,6 +146,10 @@ def _kvchat_peer(model, options, name: str, weights: str) -> KvchatPeer:
 
 
 def _command(args) -> str:
+    """The command line as typed (absolute paths cut to their last part), else rebuilt."""
+    argv = getattr(args, "argv", None)
+    if argv:
+        return command_line(argv)
     parts = ["kvchat bench"]
     if args.quick:
         parts.append("--quick")
@@ -154,7 +168,7 @@ def _command(args) -> str:
     for flag in flags:
         value = getattr(args, flag, None)
         if value is not None:
-            parts.append(f"--{flag.replace('_', '-')} {value}")
+            parts.append(f"--{flag.replace('_', '-')} {without_folders(str(value))}")
     return " ".join(parts)
 
 
@@ -188,12 +202,13 @@ def main(args) -> int:
     results: dict = {
         "command": _command(args),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "kvchat": {"version": kvchat_version(), "git": git_revision()},
         "quick": plan.quick,
         "repeats": plan.repeats,
         "machine": machine_info(model.device, model.dtype),
         "model": {
             "name": model.name,
-            "source": str(model.source),
+            "source": without_folders(str(model.source)),
             "dtype": dtype_name(model.dtype),
             "page_size": options.page_size,
             "weights": options.weights,
@@ -216,7 +231,7 @@ def main(args) -> int:
         for peer in {id(p): p for p in [*chat_peers.values(), *speed_peers.values()]}.values():
             peer.close()
     results["seconds"] = time.perf_counter() - started
-    out = Path(args.out)
+    out = Path(args.out) if args.out else default_out(results["machine"]["cpu"])
     try:
         written, notes = write_report(results, out)
     except OSError as exc:
