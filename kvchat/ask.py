@@ -13,11 +13,15 @@ import threading
 
 from kvchat.engine.events import RequestFinished, TokenGenerated
 from kvchat.engine.request import FinishReason, GenerationRequest, SamplingParams
-from kvchat.errors import KvchatError
+from kvchat.errors import KvchatError, UsageError
 from kvchat.runtime import describe_cache, read_settings, resolve_options, start_engine
 
 
 def run_ask(args: argparse.Namespace) -> int:
+    if not args.question.strip():
+        raise UsageError(
+            'the question is empty; ask something, like kvchat ask "What is a KV cache?"'
+        )
     settings = read_settings()
     options = resolve_options(args, settings)
     if getattr(args, "temperature", None) is None:

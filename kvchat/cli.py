@@ -1,7 +1,7 @@
 """The `kvchat` command: argument parsing and wiring, nothing else.
 
 Every user-caused failure surfaces as a `KvchatError` and is printed as one clear
-message (exit 1; 2 for bad usage); anything unexpected is logged with its
+message (exit 1; 2 for bad input: a `UsageError`); anything unexpected is logged with its
 traceback to the error log and reported in one line that says where the log is.
 """
 
@@ -67,7 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("question")
     ask.add_argument("--system", help="system prompt")
     _add_model_options(ask)
-    run = sub.add_parser("run", help="headless scripted mode: run a JSON Lines script")
+    from kvchat.script import script_format_help
+
+    run = sub.add_parser(
+        "run",
+        help="headless scripted mode: run a JSON Lines script",
+        description="Run a JSON Lines script over kvchat's sessions with no UI; "
+        "events are printed as JSON Lines.",
+        epilog=script_format_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument("script", help="path to the script, or - for standard input")
     run.add_argument("--stream", action="store_true", help="also print token events")
     run.add_argument(
@@ -94,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from kvchat.errors import KvchatError
+    from kvchat.errors import KvchatError, UsageError
 
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -126,6 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvchat.tui.main import run_tui
 
         return run_tui(args)
+    except UsageError as exc:
+        print(f"kvchat: {exc}", file=sys.stderr)
+        return 2
     except KvchatError as exc:
         print(f"kvchat: {exc}", file=sys.stderr)
         return 1

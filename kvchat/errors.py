@@ -17,3 +17,7 @@ class ModelLoadError(KvchatError):
 
 class PromptTooLongError(KvchatError):
     """A prompt does not fit in the model's context window."""
+
+
+class UsageError(KvchatError):
+    """Bad input on the command line, in a script or in the settings file (exit status 2)."""

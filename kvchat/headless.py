@@ -5,7 +5,7 @@ before the model is even loaded, then each op becomes a `SessionService` call
 and each service event a JSON line (docs/architecture.md, "Headless events"). `say` never
 waits, so replies of different sessions run concurrently as in the TUI; the
 script's end waits for every reply. Exit codes: 0 ok, 1 a reply or the engine
-failed (every finished reply is still printed), 2 a bad script.
+failed (every finished reply is still printed), 2 a bad script or option.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvchat.chat.events import ChatEvent, ReplyDelta, ReplyFinished, SessionFail
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
 from kvchat.engine.request import SamplingParams
-from kvchat.errors import KvchatError
+from kvchat.errors import KvchatError, UsageError
 from kvchat.paths import app_paths
 from kvchat.script import (
     NewOp,
@@ -39,6 +39,7 @@ from kvchat.script import (
 )
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_SCRIPT = 0, 1, 2
+EXIT_BAD_INPUT = EXIT_BAD_SCRIPT  # bad options too: the same status as a bad script
 
 
 class _Printer:
@@ -124,6 +125,9 @@ def run_script(
     try:
         backend = services()
         store = Store(app_paths().database) if save else Store.in_memory()
+    except UsageError as exc:  # e.g. a cache size larger than the machine's memory
+        out.emit({"event": "error", "message": str(exc), "line": None})
+        return EXIT_BAD_INPUT
     except KvchatError as exc:
         out.emit({"event": "error", "message": str(exc), "line": None})
         return EXIT_FAILED

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
-from kvchat.chat.settings import Settings, load_settings
-from kvchat.engine.config import DEFAULT_PAGE_SIZE, EngineConfig
-from kvchat.errors import KvchatError
+from kvchat.chat.settings import MIN_PAGE_SIZE, Settings, is_page_size, load_settings
+from kvchat.errors import KvchatError, UsageError
 from kvchat.units import parse_size
 
 
@@ -31,6 +30,8 @@ class RuntimeOptions:
     weights: str = "native"
     quantize: str | None = None
     kv: str = "native"
+    # option -> where its value came from ("--device-cache", or "FILE, line N" in the settings)
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
 
 def read_settings(warn: Callable[[str], None] | None = None) -> Settings:
@@ -42,34 +43,78 @@ def read_settings(warn: Callable[[str], None] | None = None) -> Settings:
         return Settings()
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def resolve_options(args: argparse.Namespace, settings: Settings) -> RuntimeOptions:
+    """The options in force; UsageError (exit 2) for a bad command-line value, naming the flag.
+
+    The settings file's values were checked when it was read (`parse_settings`).
+    """
+    sources: dict[str, str] = {}
+
     def pick(name: str):
         value = getattr(args, name, None)
-        return value if value is not None else getattr(settings, name, None)
-
-    def size(name: str) -> int | None:
-        value = getattr(args, name, None)
         if value is not None:
-            return parse_size(value)
-        return getattr(settings, name, None)
+            sources[name] = _flag(name)
+            return value
+        value = getattr(settings, name, None)
+        if value is not None and name in settings.sources:
+            sources[name] = f"the settings file {settings.sources[name]}"
+        return value
 
+    def size(name: str, *, zero_is_off: bool) -> int | None:
+        value = getattr(args, name, None)
+        if value is None:
+            return pick(name)
+        try:
+            parsed = parse_size(value)
+        except UsageError as exc:
+            raise UsageError(f"{_flag(name)}: {exc}") from None
+        if parsed == 0 and not zero_is_off:
+            raise UsageError(
+                f"{_flag(name)} 0: this cache cannot be off; give its size with a unit, like "
+                "512MiB, or leave the flag out for the default"
+            )
+        sources[name] = _flag(name)
+        return parsed
+
+    page_size = getattr(args, "page_size", None)
+    if page_size is not None and not is_page_size(page_size):
+        raise UsageError(
+            f"--page-size must be a power of two from {MIN_PAGE_SIZE} up, like 256; got {page_size}"
+        )
+    max_tokens = getattr(args, "max_tokens", None)
+    if max_tokens is not None and max_tokens <= 0:
+        raise UsageError(f"--max-tokens must be a positive integer; got {max_tokens}")
+    temperature = getattr(args, "temperature", None)
+    if temperature is not None and not temperature >= 0:
+        raise UsageError(
+            f"--temperature must be a number at least 0 (0 is greedy); got {temperature}"
+        )
+    device_cache = size("device_cache", zero_is_off=False)
+    host_cache = size("host_cache", zero_is_off=True)
     return RuntimeOptions(
         model=pick("model"),
         dtype=pick("dtype"),
         device=getattr(args, "device", None),
-        device_cache=size("device_cache"),
-        host_cache=size("host_cache"),
-        page_size=pick("page_size") or DEFAULT_PAGE_SIZE,
+        device_cache=device_cache,
+        host_cache=host_cache,
+        page_size=pick("page_size"),  # the settings' default when neither sets it
         seed=pick("seed"),
         temperature=pick("temperature"),
         max_tokens=pick("max_tokens"),
         weights=pick("weights") or "native",
         quantize=pick("quantize"),
         kv=pick("kv") or "native",
+        sources=sources,
     )
 
 
-def engine_config(options: RuntimeOptions) -> EngineConfig:
+def engine_config(options: RuntimeOptions):
+    from kvchat.engine.config import EngineConfig
+
     return EngineConfig(
         page_size=options.page_size,
         device_cache_bytes=options.device_cache,

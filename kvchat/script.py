@@ -10,6 +10,7 @@ relative to the script's folder, so a missing file is also caught up front.
 from __future__ import annotations
 
 import json
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,8 +112,57 @@ _OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+# What each op does, for `kvchat run --help` (the keys are listed from `_OPS`).
+_OP_HELP: dict[str, str] = {
+    "new": "create a session named by 'session' (optionally its system prompt and title)",
+    "say": "send a message: 'text', or a file's text ('file': absolute, or relative to "
+    "the script's folder) then 'text'; it must not be empty; does not wait for the reply",
+    "wait": "wait until the session's reply (every session's, without 'session') has ended",
+    "stop": "stop the session's reply",
+    "switch": "make the session the focused one (its pages are prefetched)",
+    "stats": "print a stats event (the engine's counters)",
+}
+
+
+def script_format_help() -> str:
+    """The script format as `kvchat run --help` prints it: every op, its keys and their types."""
+    lines = [
+        'script format: JSON Lines, one object a line with an "op"; blank lines are skipped.',
+        "The whole script is checked before the model loads (a bad line exits 2 with its number).",
+        "",
+    ]
+    for op, (required, optional) in _OPS.items():
+        keys = [f"{k} (required)" for k in required] + list(optional)
+        lines += textwrap.wrap(
+            _OP_HELP[op], width=88, initial_indent=f"  {op:<7}", subsequent_indent=" " * 9
+        )
+        if keys:
+            lines += textwrap.wrap(
+                ", ".join(keys),
+                width=88,
+                initial_indent="         keys: ",
+                subsequent_indent=" " * 15,
+            )
+    lines += ["", "key types:"]
+    lines += [f"  {key:<12}{what}" for key, (_check, what) in _CHECKS.items()]
+    lines += [
+        "",
+        "example:",
+        '  {"op": "new", "session": "a", "system": "Answer briefly."}',
+        '  {"op": "say", "session": "a", "file": "notes.md", "text": "Summarize this."}',
+        '  {"op": "say", "session": "a", "text": "And in one word?", "temperature": 0}',
+        '  {"op": "wait"}',
+        '  {"op": "stats"}',
+        "",
+        "output: one JSON object a line on stdout: reply events (token events too with",
+        "--stream), stats events, and error events {event, message, line}.",
+    ]
+    return "\n".join(lines)
+
+
 def parse_script(text: str, base_dir: Path) -> list[Op]:
-    """Every operation of the script, or a ScriptError for the first bad line."""
+    """Every operation of the script, or a ScriptError for the first bad line (or an empty
+    script: running nothing would load the model for nothing)."""
     ops: list[Op] = []
     sessions: set[str] = set()
     for number, raw in enumerate(text.splitlines(), 1):
@@ -157,6 +207,12 @@ def parse_script(text: str, base_dir: Path) -> list[Op]:
                 number,
             )
         ops.append(_build(op, obj, number, base_dir))
+    if not ops:
+        raise ScriptError(
+            'the script is empty: write one JSON object a line, like {"op": "new", '
+            '"session": "a"} (see kvchat run --help)',
+            None,
+        )
     return ops
 
 
@@ -177,8 +233,15 @@ def _build(op: str, obj: dict[str, Any], number: int, base_dir: Path) -> Op:
                 raise ScriptError(f"cannot read file {str(path)!r}: {reason}", number) from None
         if "text" in obj:
             parts.append(obj["text"])
+        text = "\n\n".join(parts)
+        if not text.strip():
+            raise ScriptError(
+                "the message is empty (its file and text hold only whitespace); "
+                "give the text to send",
+                number,
+            )
         sampling = {k: obj[k] for k in _SAMPLING_KEYS if k in obj}
-        return SayOp(number, obj["session"], "\n\n".join(parts), **sampling)
+        return SayOp(number, obj["session"], text, **sampling)
     if op == "wait":
         return WaitOp(number, obj.get("session"))
     if op == "stop":

@@ -91,17 +91,24 @@ def test_save_setting_refuses_a_broken_file_and_bad_values() -> None:
         ("4GiB", 4 * 2**30),
         ("1.5G", int(1.5 * 2**30)),
         ("2GB", 2 * 10**9),
-        ("1000", 1000),
-        (64, 64),
+        ("1000B", 1000),
+        ("0", 0),
+        (0, 0),
     ],
 )
 def test_parse_size_reads_units(text, expected) -> None:
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "4 parsecs", "-1MiB", "MiB"])
+@pytest.mark.parametrize("text", ["", "4 parsecs", "-1MiB", "MiB", True, 1.5])
 def test_parse_size_rejects_nonsense(text) -> None:
     with pytest.raises(KvchatError, match="not a size"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("text", ["1000", "512", 64, " 2 "])
+def test_parse_size_refuses_a_number_without_a_unit(text) -> None:
+    with pytest.raises(KvchatError, match="has no unit"):
         parse_size(text)
 
 

@@ -253,3 +253,51 @@ def test_script_from_stdin_and_cli_sampling_defaults(tmp_path, monkeypatch) -> N
     (request,) = engine.submitted
     assert (request.sampling.temperature, request.sampling.seed, request.max_tokens) == (0.7, 3, 5)
     assert json.loads(out.getvalue())["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("body", ["", "\n\n  \n"])
+def test_an_empty_script_is_refused_before_the_model_loads(tmp_path, body) -> None:
+    script = tmp_path / "empty.jsonl"
+    script.write_text(body)
+    err = io.StringIO()
+    code = run_script(
+        str(script),
+        stream=False,
+        save=False,
+        services=lambda: pytest.fail("must not start"),
+        stderr=err,
+    )
+    error = json.loads(err.getvalue())
+    assert code == 2 and error["line"] is None and "the script is empty" in error["message"]
+
+
+@pytest.mark.parametrize(
+    "say",
+    [
+        {"op": "say", "session": "a", "text": ""},
+        {"op": "say", "session": "a", "text": " \n\t"},
+        {"op": "say", "session": "a", "file": "blank.txt"},
+        {"op": "say", "session": "a", "file": "blank.txt", "text": "  "},
+    ],
+)
+def test_an_empty_message_is_a_script_error_with_its_line(tmp_path, say) -> None:
+    (tmp_path / "blank.txt").write_text("\n   \n")
+    code, events, errors, _, started = run(tmp_path, [{"op": "new", "session": "a"}, say])
+    assert code == 2 and not started and events == []
+    (error,) = errors
+    assert error["line"] == 2 and "the message is empty" in error["message"]
+
+
+def test_temperature_zero_and_an_absolute_file_path_are_valid(tmp_path) -> None:
+    document = tmp_path / "elsewhere" / "doc.txt"
+    document.parent.mkdir()
+    document.write_text("some text")
+    code, events, errors, _, started = run(
+        tmp_path,
+        [
+            {"op": "new", "session": "a"},
+            {"op": "say", "session": "a", "file": str(document), "temperature": 0},
+        ],
+    )
+    assert code == 0 and started and errors == []
+    assert [e["event"] for e in events] == ["reply"]

@@ -18,7 +18,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from kvchat.errors import KvchatError
+from kvchat.errors import KvchatError, UsageError
 from kvchat.paths import app_paths
 from kvchat.units import parse_size
 
@@ -41,10 +41,16 @@ class Settings:
     quantize: str | None = None  # "int8" | "int4" for Hugging Face folders
     kv: str | None = None  # "native" | "int8" KV cache
     keys: MappingProxyType[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # key -> "FILE, line N": where each value was written, for messages about it
+    sources: MappingProxyType[str, str] = field(
+        default_factory=lambda: MappingProxyType({}), compare=False
+    )
 
 
 _DTYPES = ("bfloat16", "float32")
 _SIZE_KEYS = ("device_cache", "host_cache")
+_ZERO_IS_OFF = ("host_cache",)  # 0 turns these tiers off; the device cache cannot be off
+MIN_PAGE_SIZE = 16
 _CHOICES = {"weights": ("native", "bf16"), "quantize": ("int8", "int4"), "kv": ("native", "int8")}
 
 
@@ -72,7 +78,7 @@ def _check(path: Path, text: str, key: str, value: Any) -> Any:
     where = _where(path, text, key)
 
     def bad(expected: str) -> KvchatError:
-        return KvchatError(f"{where}: '{key}' must be {expected}, not {value!r}")
+        return UsageError(f"{where}: '{key}' must be {expected}, not {value!r}")
 
     if key in ("model", "theme"):
         if not isinstance(value, str) or not value:
@@ -87,13 +93,19 @@ def _check(path: Path, text: str, key: str, value: Any) -> Any:
             raise bad(" or ".join(f'"{c}"' for c in _CHOICES[key]))
         return value
     if key in _SIZE_KEYS:
-        if not isinstance(value, str | int) or isinstance(value, bool):
-            raise bad('a size with a unit, like "512MiB" or "4GiB"')
+        off = " or 0 (off)" if key in _ZERO_IS_OFF else " (it cannot be 0)"
         try:
-            return parse_size(value)
+            size = parse_size(value)
         except KvchatError:
-            raise bad('a size with a unit, like "512MiB" or "4GiB"') from None
-    if key in ("page_size", "max_tokens"):
+            raise bad(f'a size with a unit, like "512MiB" or "4GiB"{off}') from None
+        if size == 0 and key not in _ZERO_IS_OFF:
+            raise bad(f'a size with a unit, like "512MiB" or "4GiB"{off}')
+        return size
+    if key == "page_size":
+        if not is_page_size(value):
+            raise bad(f"a power of two from {MIN_PAGE_SIZE} up, like 256")
+        return value
+    if key == "max_tokens":
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise bad("a positive integer")
         return value
@@ -107,10 +119,20 @@ def _check(path: Path, text: str, key: str, value: Any) -> Any:
         if key == "top_p" and not 0 < value <= 1:
             raise bad("a number in (0, 1]")
         return float(value)
-    raise KvchatError(f"{where}: unknown setting '{key}'")
+    raise UsageError(f"{where}: unknown setting '{key}'")
 
 
-_KNOWN = tuple(f.name for f in fields(Settings))
+def is_page_size(value: Any) -> bool:
+    """A page holds a power-of-two number of tokens, at least `MIN_PAGE_SIZE`."""
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and value >= MIN_PAGE_SIZE
+        and value & (value - 1) == 0
+    )
+
+
+_KNOWN = tuple(f.name for f in fields(Settings) if f.name != "sources")
 
 
 def parse_settings(text: str, path: Path) -> Settings:
@@ -118,26 +140,27 @@ def parse_settings(text: str, path: Path) -> Settings:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise KvchatError(f"{path}: not valid TOML: {exc}. Fix the file or move it away.") from None
+        raise UsageError(f"{path}: not valid TOML: {exc}. Fix the file or move it away.") from None
     values: dict[str, Any] = {}
     for key, value in data.items():
         if key not in _KNOWN:
-            raise KvchatError(
+            raise UsageError(
                 f"{_where(path, text, key)}: unknown setting '{key}' (known: {', '.join(_KNOWN)})"
             )
         if key == "keys":
             if not isinstance(value, dict):
-                raise KvchatError(f"{_where(path, text, key)}: 'keys' must be a table [keys]")
+                raise UsageError(f"{_where(path, text, key)}: 'keys' must be a table [keys]")
             for binding, keyname in value.items():
                 if not isinstance(keyname, str) or not keyname:
-                    raise KvchatError(
+                    raise UsageError(
                         f"{_where(path, text, binding, 'keys')}: key binding '{binding}' "
                         f'must be a key name string, like "ctrl+n"'
                     )
             values["keys"] = MappingProxyType(dict(value))
             continue
         values[key] = _check(path, text, key, value)
-    return Settings(**values)
+    sources = {key: _where(path, text, key) for key in values}
+    return Settings(**values, sources=MappingProxyType(sources))
 
 
 def load_settings(path: Path | None = None) -> Settings:

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvchat.chat.database_access import open_failure_message
 from kvchat.errors import KvchatError
 
 _MIGRATIONS: list[str] = [
@@ -122,10 +123,10 @@ class Store:
 
     def __init__(self, path: Path | str) -> None:
         self.path = str(path)
-        if self.path != ":memory:":
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
         try:
+            if self.path != ":memory:":
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             self._db = sqlite3.connect(
                 self.path,
                 timeout=BUSY_TIMEOUT_MS / 1000,
@@ -138,12 +139,9 @@ class Store:
             self._db.execute("PRAGMA synchronous = NORMAL")
             self._db.execute("PRAGMA foreign_keys = ON")
             self._migrate()
-        except sqlite3.DatabaseError as exc:
-            raise KvchatError(
-                f"cannot open the session database {self.path}: {exc}. "
-                "Move the file away to start with an empty one."
-            ) from exc
-        self.interrupted_on_open = self.mark_interrupted()
+            self.interrupted_on_open = self.mark_interrupted()
+        except (sqlite3.DatabaseError, PermissionError) as exc:
+            raise KvchatError(open_failure_message(Path(self.path), exc)) from exc
 
     @classmethod
     def in_memory(cls) -> Store:

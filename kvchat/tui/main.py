@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
+from typing import TextIO
 
 from kvchat.chat.error_log import configure_error_log
 from kvchat.chat.settings import Settings, load_settings
-from kvchat.errors import KvchatError
+from kvchat.errors import KvchatError, UsageError
+from kvchat.runtime import resolve_options
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.backend import start_real_backend
 
@@ -25,10 +28,38 @@ def read_settings_for_tui() -> tuple[Settings, str | None]:
         return Settings(), f"{exc} Using the defaults; the file is left as it is."
 
 
+def require_terminal(
+    stdin: TextIO | None = None, stdout: TextIO | None = None, screen: TextIO | None = None
+) -> None:
+    """UsageError unless the keys come from a terminal and the UI can draw on one.
+
+    Why: with no terminal, Textual keeps writing escape codes into a pipe or a file,
+    a whole core busy for nothing. Textual draws on the standard error stream.
+    """
+    streams = {
+        "standard input": stdin or sys.stdin,
+        "standard output": stdout or sys.stdout,
+        "standard error (where the UI draws)": screen or sys.__stderr__,
+    }
+    for name, stream in streams.items():
+        try:
+            is_terminal = stream is not None and stream.isatty()
+        except (ValueError, OSError):  # closed
+            is_terminal = False
+        if not is_terminal:
+            raise UsageError(
+                f"the chat UI needs a terminal and {name} is not one; for scripts use "
+                "`kvchat run SCRIPT` (JSON Lines, see kvchat run --help) or "
+                '`kvchat ask "QUESTION"`'
+            )
+
+
 def run_tui(args: argparse.Namespace) -> int:
-    """Open the TUI; returns the exit status (1 when kvchat could not start)."""
+    """Open the TUI; returns the exit status (1 when kvchat could not start, 2 bad input)."""
+    require_terminal()
     configure_error_log()
     settings, problem = read_settings_for_tui()
+    resolve_options(args, settings)  # a bad flag is refused here, before the screen opens
     factory = functools.partial(start_real_backend, args, settings)
     app = KvchatApp(factory, settings=settings, settings_problem=problem)
     app.run()
