@@ -8,7 +8,12 @@ from the first token to the last; the same engine settings both times. Under the
 TUI it also prints the UI thread's share of a core over that window (its CPU time
 per second), the figure `cpu_contention.py` relates to the engine's loss.
 
-    python benchmarks/tui_throughput.py [--rounds 3]
+    python benchmarks/tui_throughput.py [--rounds 3] [--markdown kvchat|stock]
+
+`--markdown stock` streams each reply through Textual's stock `Markdown.get_stream()`
+(`MarkdownStream`, as oterm does) instead of kvchat's `StreamingMarkdown`, which patches
+the growing block in place: run both, interleaved by hand, to see what the in-place
+patching is worth on this machine.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ import threading
 import time
 from pathlib import Path
 
+from textual.await_complete import AwaitComplete
+from textual.widgets import Markdown
+from textual.widgets.markdown import MarkdownStream
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvchat.chat.engine_port import ChatBackend
@@ -31,6 +40,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.request import SamplingParams
 from kvchat.model.loader import load_model
 from kvchat.native import build
+from kvchat.tui import transcript
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.backend import TuiBackend
 from tests.tui_helpers import ready, wait_until
@@ -38,6 +48,40 @@ from tests.tui_helpers import ready, wait_until
 SESSIONS, TOKENS = 8, 128
 GREEDY = SamplingParams(temperature=0.0)
 CONFIG = EngineConfig(device_cache_bytes=512 << 20, host_cache_bytes=0)
+
+
+class StockStreamingMarkdown(Markdown):
+    """A reply body streamed through Textual's stock `MarkdownStream` (`--markdown stock`).
+
+    The same interface as `StreamingMarkdown` (`write`, `end_stream`, `update`), so the
+    transcript's `MessageBlock` uses it unchanged. The stream is stopped before a final
+    `update`, so its last fragments never land after the final text.
+    """
+
+    def __init__(self, markdown: str | None = None, *, classes: str | None = None) -> None:
+        super().__init__(markdown, classes=classes)
+        self._stream: MarkdownStream | None = None
+        self._stopping: asyncio.Task | None = None
+
+    async def write(self, markdown: str) -> None:
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self)
+        await self._stream.write(markdown)
+
+    def end_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            self._stopping = asyncio.ensure_future(stream.stop())
+
+    def update(self, markdown: str) -> AwaitComplete:
+        return AwaitComplete(self._stop_then_update(markdown))
+
+    async def _stop_then_update(self, markdown: str) -> None:
+        self.end_stream()
+        stopping, self._stopping = self._stopping, None
+        if stopping is not None:
+            await stopping
+        await super().update(markdown)
 
 
 def launch() -> Engine:
@@ -134,7 +178,15 @@ async def under_tui() -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--markdown",
+        choices=("kvchat", "stock"),
+        default="kvchat",
+        help="how the TUI streams a reply's Markdown (default: kvchat's StreamingMarkdown)",
+    )
     args = parser.parse_args()
+    if args.markdown == "stock":
+        transcript.StreamingMarkdown = StockStreamingMarkdown  # what MessageBlock builds
     build.request(wait=True)  # on a fresh install the kernel compiles first, not mid-run
     runs: dict[str, list[float]] = {"headless": [], "TUI": []}
     ui_shares: list[float] = []
@@ -156,7 +208,8 @@ def main() -> None:
               f"under the TUI {runs['TUI'][-1]:.1f} tok/s "
               f"(UI thread {ui_shares[-1]:.3f} of a core)", flush=True)  # fmt: skip
     a, b = statistics.median(runs["headless"]), statistics.median(runs["TUI"])
-    print(f"medians of {args.rounds}: headless {a:.1f} tok/s; under the TUI {b:.1f} tok/s; "
+    print(f"markdown: {args.markdown}; medians of {args.rounds}: headless {a:.1f} tok/s; "
+          f"under the TUI {b:.1f} tok/s; "
           f"ratio {b / a:.3f}; UI thread {statistics.median(ui_shares):.3f} of a core "
           "while the replies stream")  # fmt: skip
 
