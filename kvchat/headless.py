@@ -2,10 +2,12 @@
 
 Wiring only: the script is parsed and validated whole (`kvchat/script.py`)
 before the model is even loaded, then each op becomes a `SessionService` call
-and each service event a JSON line (docs/architecture.md, "Headless events"). `say` never
-waits, so replies of different sessions run concurrently as in the TUI; the
-script's end waits for every reply. Exit codes: 0 ok, 1 a reply or the engine
-failed (every finished reply is still printed), 2 a bad script or option.
+and each service event a JSON line (docs/architecture.md, "Headless events"). `say`
+never waits, so replies of different sessions run concurrently as in the TUI; nor
+does `draft` (the user's next message computed ahead while `pause` lets time
+pass, as while a person types); the script's end waits for every reply. Exit
+codes: 0 ok, 1 a reply or the engine failed (every finished reply is still
+printed), 2 a bad script or option.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -27,8 +30,10 @@ from kvchat.engine.request import SamplingParams
 from kvchat.errors import KvchatError, UsageError
 from kvchat.paths import app_paths
 from kvchat.script import (
+    DraftOp,
     NewOp,
     Op,
+    PauseOp,
     SayOp,
     ScriptError,
     StatsOp,
@@ -72,7 +77,7 @@ def read_script(path_or_dash: str, stdin: TextIO | None = None) -> list[Op]:
 
 
 def reply_event(session: str, event: ReplyFinished) -> dict[str, Any]:
-    """The headless `reply` event (plus `hit_rate`)."""
+    """The headless `reply` event, plus `hit_rate` and `draft_tokens` (drafts' tokens it used)."""
     stats = event.stats
     return {
         "event": "reply",
@@ -92,6 +97,7 @@ def reply_event(session: str, event: ReplyFinished) -> dict[str, Any]:
         "ttft_s": stats.ttft_s,
         "decode_tok_s": stats.decode_tok_s,
         "hit_rate": stats.hit_rate,
+        "draft_tokens": stats.draft_tokens,
         "error": stats.error if stats.finish_reason == "error" else None,
     }
 
@@ -218,6 +224,10 @@ class _Runner:
                 max_tokens=op.max_tokens,
                 ignore_eos=op.ignore_eos,
             )
+        elif isinstance(op, DraftOp):
+            service.draft(self.ids[op.session], op.text)
+        elif isinstance(op, PauseOp):
+            time.sleep(op.seconds)
         elif isinstance(op, WaitOp):
             service.wait_idle(self.ids[op.session] if op.session else None)
         elif isinstance(op, StopOp):

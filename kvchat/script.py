@@ -4,7 +4,8 @@ A mistake at line 40 of a script must not surface after 39 lines of replies
 have taken minutes, so `parse_script` checks every line (JSON, op, keys and
 their types, sessions created before use, files readable) and raises a
 `ScriptError` carrying the line number. Files named by `say` are read here,
-relative to the script's folder, so a missing file is also caught up front.
+relative to the script's folder, so a missing file is also caught up front
+(`draft` reads them the same way).
 """
 
 from __future__ import annotations
@@ -50,6 +51,23 @@ class SayOp:
 
 
 @dataclass(frozen=True)
+class DraftOp:
+    """The user text a `say` with the same keys would send, computed ahead as a draft."""
+
+    line: int
+    session: str
+    text: str
+
+
+@dataclass(frozen=True)
+class PauseOp:
+    """Sleep the script only: drafts and replies keep running."""
+
+    line: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class WaitOp:
     line: int
     session: str | None = None  # None: every session
@@ -72,7 +90,7 @@ class StatsOp:
     line: int
 
 
-Op = NewOp | SayOp | WaitOp | StopOp | SwitchOp | StatsOp
+Op = NewOp | SayOp | DraftOp | PauseOp | WaitOp | StopOp | SwitchOp | StatsOp
 
 
 def _is_int(v: Any) -> bool:
@@ -97,6 +115,7 @@ _CHECKS: dict[str, tuple[Any, str]] = {
     "min_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "seed": (_is_int, "an integer"),
     "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
+    "seconds": (lambda v: _is_number(v) and 0 <= v < float("inf"), "a number at least 0"),
 }
 
 _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos")
@@ -105,6 +124,8 @@ _SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"
 _OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "new": (("session",), ("system", "title")),
     "say": (("session",), ("text", "file", *_SAMPLING_KEYS)),
+    "draft": (("session",), ("text", "file")),
+    "pause": (("seconds",), ()),
     "wait": ((), ("session",)),
     "stop": (("session",), ()),
     "switch": (("session",), ()),
@@ -117,6 +138,9 @@ _OP_HELP: dict[str, str] = {
     "new": "create a session named by 'session' (optionally its system prompt and title)",
     "say": "send a message: 'text', or a file's text ('file': absolute, or relative to "
     "the script's folder) then 'text'; it must not be empty; does not wait for the reply",
+    "draft": "compute the session's next message ahead while it is typed (its text built as "
+    "'say' builds it; a later draft replaces it, a 'say' ends it); prints no reply",
+    "pause": "sleep the script for 'seconds' (drafts and replies keep running)",
     "wait": "wait until the session's reply (every session's, without 'session') has ended",
     "stop": "stop the session's reply",
     "switch": "make the session the focused one (its pages are prefetched)",
@@ -219,21 +243,10 @@ def parse_script(text: str, base_dir: Path) -> list[Op]:
 def _build(op: str, obj: dict[str, Any], number: int, base_dir: Path) -> Op:
     if op == "new":
         return NewOp(number, obj["session"], obj.get("system"), obj.get("title"))
-    if op == "say":
-        if "text" not in obj and "file" not in obj:
-            raise ScriptError('op "say" needs "text" or "file"', number)
-        parts = []
-        if "file" in obj:
-            path = Path(obj["file"]).expanduser()
-            path = path if path.is_absolute() else base_dir / path
-            try:
-                parts.append(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError) as exc:
-                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-                raise ScriptError(f"cannot read file {str(path)!r}: {reason}", number) from None
-        if "text" in obj:
-            parts.append(obj["text"])
-        text = "\n\n".join(parts)
+    if op in ("say", "draft"):
+        text = _user_text(op, obj, number, base_dir)
+        if op == "draft":  # an empty draft ends the session's draft
+            return DraftOp(number, obj["session"], text)
         if not text.strip():
             raise ScriptError(
                 "the message is empty (its file and text hold only whitespace); "
@@ -242,6 +255,8 @@ def _build(op: str, obj: dict[str, Any], number: int, base_dir: Path) -> Op:
             )
         sampling = {k: obj[k] for k in _SAMPLING_KEYS if k in obj}
         return SayOp(number, obj["session"], text, **sampling)
+    if op == "pause":
+        return PauseOp(number, float(obj["seconds"]))
     if op == "wait":
         return WaitOp(number, obj.get("session"))
     if op == "stop":
@@ -249,3 +264,21 @@ def _build(op: str, obj: dict[str, Any], number: int, base_dir: Path) -> Op:
     if op == "switch":
         return SwitchOp(number, obj["session"])
     return StatsOp(number)
+
+
+def _user_text(op: str, obj: dict[str, Any], number: int, base_dir: Path) -> str:
+    """The file's text (relative to the script's folder), a blank line, then `text`."""
+    if "text" not in obj and "file" not in obj:
+        raise ScriptError(f'op "{op}" needs "text" or "file"', number)
+    parts = []
+    if "file" in obj:
+        path = Path(obj["file"]).expanduser()
+        path = path if path.is_absolute() else base_dir / path
+        try:
+            parts.append(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ScriptError(f"cannot read file {str(path)!r}: {reason}", number) from None
+    if "text" in obj:
+        parts.append(obj["text"])
+    return "\n\n".join(parts)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from kvchat.chat.engine_port import ChatBackend, Residency
 from kvchat.engine.events import (
     CachedTokens,
+    DraftProgress,
     EngineEvent,
     PrefillProgress,
     RequestFinished,
@@ -74,6 +75,21 @@ class CharRenderer:
             out += self._message(message)
         return out + self.encode("<assistant>")
 
+    def draft_ids(
+        self,
+        history: Sequence[Mapping[str, str]],
+        user_text: str,
+        *,
+        reply_ended_with_stop: bool,
+        stop_token_id: int | None = None,
+    ) -> list[int] | None:
+        if self.rewrites_history:
+            return None
+        user = self.encode(f"<user>{user_text}")
+        if not history or history[-1]["role"] != "assistant":
+            return [t for m in history for t in self._message(m)] + user
+        return ([] if reply_ended_with_stop else [END]) + [ord("\n"), *user]
+
 
 def default_reply(request: GenerationRequest, tokens: int) -> str:
     """Deterministic text from the prompt alone (same prompt, same reply)."""
@@ -91,6 +107,7 @@ class _Live:
     generated: list[int] = field(default_factory=list)
     cancelled: bool = False
     cached: int = 0
+    draft_tokens: int = 0
     submit_time: float = 0.0
     first_token_time: float | None = None
 
@@ -138,6 +155,10 @@ class FakeEngine:
         self.submitted: list[GenerationRequest] = []
         self.prefetched: list[tuple[int, ...]] = []
         self.cancelled_ids: list[int] = []
+        self.drafts: list[tuple[int, ...]] = []  # every draft submitted, in order
+        self.replaced_ids: list[int] = []  # drafts a later draft replaced
+        self._pending_drafts: dict[int, tuple[tuple[int, ...], Callable]] = {}
+        self._drafted: list[tuple[int, ...]] = []  # drafts computed (their tokens are cached)
         self._seen: list[tuple[int, ...]] = []
         self._live: list[_Live] = []
         self._next_id = 1
@@ -183,7 +204,27 @@ class FakeEngine:
             for live in self._live:
                 if live.request_id == request_id:
                     live.cancelled = True
+            self._pending_drafts.pop(request_id, None)
             self._cond.notify_all()
+
+    def draft(
+        self,
+        token_ids: Sequence[int],
+        on_progress: Callable[[DraftProgress], None],
+        *,
+        replaces: int | None = None,
+    ) -> int:
+        """A draft is computed whole at the next step (unless cancelled first)."""
+        with self._cond:
+            if replaces is not None:
+                self.replaced_ids.append(replaces)
+                self._pending_drafts.pop(replaces, None)
+            draft_id = self._next_id
+            self._next_id += 1
+            self.drafts.append(tuple(token_ids))
+            self._pending_drafts[draft_id] = (tuple(token_ids), on_progress)
+            self._cond.notify_all()
+        return draft_id
 
     def prefetch(self, token_ids: Sequence[int]) -> None:
         with self._cond:
@@ -235,7 +276,11 @@ class FakeEngine:
         while True:
             with self._cond:
                 self._cond.wait_for(
-                    lambda: any(self._runnable(x) for x in self._live) or not self._running
+                    lambda: (
+                        any(self._runnable(x) for x in self._live)
+                        or bool(self._pending_drafts)
+                        or not self._running
+                    )
                 )
                 if not self._running:
                     return
@@ -257,6 +302,12 @@ class FakeEngine:
             for live in list(self._live):
                 if self._runnable(live):
                     emit += self._advance_one(live)
+            for draft_id, (tokens, on_progress) in self._pending_drafts.items():
+                self._seen.append(tokens)
+                self._drafted.append(tokens)
+                n = len(tokens)
+                emit.append((on_progress, DraftProgress(draft_id, n, n, time.monotonic())))
+            self._pending_drafts.clear()
             self._cond.notify_all()
         for on_event, event in emit:
             on_event(event)
@@ -270,6 +321,11 @@ class FakeEngine:
             prompt = request.prompt_ids
             live.cached = max((_common_prefix(prompt, s) for s in self._seen), default=0)
             live.cached = min(live.cached, len(prompt) - 1) if prompt else 0
+            # served by drafts: what they matched beyond what turns had computed
+            drafted = max((_common_prefix(prompt, s) for s in self._drafted), default=0)
+            plain = [s for s in self._seen if s not in self._drafted]
+            turns = max((_common_prefix(prompt, s) for s in plain), default=0)
+            live.draft_tokens = max(0, min(drafted, live.cached) - turns)
             self._seen.append(tuple(prompt))
             out.append((live.on_event, RequestStarted(live.request_id, now)))
             out.append(
@@ -322,6 +378,7 @@ class FakeEngine:
             decode_tok_s=100.0 if live.generated else None,
             time=now,
             error=error,
+            draft_tokens=live.draft_tokens,
         )
         return (live.on_event, event)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvchat.engine.events import EngineEvent
+from kvchat.engine.events import DraftProgress, EngineEvent
 from kvchat.engine.request import GenerationRequest
 from kvchat.engine.stats import EngineStats
 
@@ -47,6 +47,19 @@ class EnginePort(Protocol):
 
     def cancel(self, request_id: int) -> None: ...
 
+    def draft(
+        self,
+        token_ids: Sequence[int],
+        on_progress: Callable[[DraftProgress], None],
+        *,
+        replaces: int | None = None,
+    ) -> int:
+        """Compute a prompt ahead at the lowest priority (type-ahead); `cancel` ends it.
+
+        `replaces` names a draft this one takes over from (cancelled; its pages stay).
+        """
+        ...
+
     def prefetch(self, token_ids: Sequence[int]) -> None: ...
 
     def residency(self, token_ids: Sequence[int]) -> Residency: ...
@@ -79,6 +92,21 @@ class RendererPort(Protocol):
 
         `stop_token_id` is the token that ended the last reply, when it ended on one.
         None when the template rewrites earlier turns: the caller renders it all.
+        """
+        ...
+
+    def draft_ids(
+        self,
+        history: Sequence[Message],
+        user_text: str,
+        *,
+        reply_ended_with_stop: bool,
+        stop_token_id: int | None = None,
+    ) -> list[int] | None:
+        """What a user message still being typed adds, up to the end of its text.
+
+        Like `continuation_ids` (the whole rendering when nothing is stored) for a
+        user message of `user_text`, without the template's closing tokens.
         """
         ...
 

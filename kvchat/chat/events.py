@@ -82,6 +82,15 @@ class SessionFailed:
     message: str
 
 
+@dataclass(frozen=True)
+class DraftChanged:
+    """How much of the session's unsent message is computed ahead (0 of 0: no draft)."""
+
+    session_id: str
+    ready_tokens: int
+    total_tokens: int
+
+
 ChatEvent = (
     SessionCreated
     | SessionRenamed
@@ -93,4 +102,5 @@ ChatEvent = (
     | ReplyDelta
     | ReplyFinished
     | SessionFailed
+    | DraftChanged
 )

@@ -29,9 +29,11 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
+from kvchat.chat.drafts import SessionDraft, common_prefix, draft_prompt
 from kvchat.chat.engine_port import EnginePort, RendererPort, Residency
 from kvchat.chat.events import (
     ChatEvent,
+    DraftChanged,
     ReplyDelta,
     ReplyFinished,
     ReplyStarted,
@@ -56,6 +58,7 @@ from kvchat.chat.session import (
 )
 from kvchat.chat.store import MessageRecord, SessionRecord, Store
 from kvchat.engine.events import (
+    DraftProgress,
     EngineEvent,
     PrefillProgress,
     RequestFinished,
@@ -107,6 +110,7 @@ class _Runtime:
     last_stats: TurnStats | None = None
     unsaved_tokens: int = 0
     last_save: float = 0.0
+    draft: SessionDraft = field(default_factory=SessionDraft)
 
     @property
     def busy(self) -> bool:
@@ -197,8 +201,10 @@ class SessionService:
         """Cancel live replies, write what is pending, stop the worker, close the store."""
         with self._lock:
             live = [r.request_id for r in self._runtime.values() if r.request_id is not None]
+            live += [r.draft.draft_id for r in self._runtime.values() if r.draft.draft_id]
             for rt in self._runtime.values():
                 rt.queue.clear()
+                rt.draft.clear()
         for request_id in live:
             with contextlib.suppress(Exception):
                 self._engine.cancel(request_id)
@@ -433,6 +439,7 @@ class SessionService:
             request_id = rt.request_id
             session.deleted_at = time.time()
             self._persist(session)
+            self._end_draft(session_id)
         if request_id is not None:
             self._engine.cancel(request_id)
         self._publish([SessionDeleted(session_id, True)])
@@ -503,10 +510,45 @@ class SessionService:
             rt = self._runtime[self._get(session_id).id]
             if rt.busy:
                 rt.queue.append(say)
+                rt.draft.pending = None  # the text it held is sent now
                 events: list[ChatEvent] = [SessionChanged(session_id)]
             else:
                 events = self._start_say(session_id, say)
         self._publish(events)
+
+    def draft(self, session_id: str, text: str) -> None:
+        """Compute the user's unsent message ahead, at the engine's lowest priority.
+
+        Rendered exactly as `say(text)` would render it, up to the end of the text,
+        so the turn that sends it finds these pages cached. Replaces the session's
+        previous draft (whose pages stay cached); an empty text ends it. While the
+        session replies, the text waits for the reply's end. Subscribers get
+        `DraftChanged` as the draft is computed.
+        """
+        with self._lock:
+            session = self._get(session_id)
+            rt = self._runtime[session_id]
+            if not text.strip():
+                events = self._end_draft(session_id)
+            elif rt.busy:
+                rt.draft.pending = text
+                events = []
+            else:
+                events = self._submit_draft(session, rt, text)
+        self._publish(events)
+
+    def end_draft(self, session_id: str) -> None:
+        """Stop computing the session's draft (its computed pages stay cached)."""
+        with self._lock:
+            self._get(session_id)
+            events = self._end_draft(session_id)
+        self._publish(events)
+
+    def draft_progress(self, session_id: str) -> tuple[int, int]:
+        """(tokens ready, tokens in the draft); (0, 0) without a draft."""
+        with self._lock:
+            d = self._runtime[self._get(session_id).id].draft
+            return (d.ready, len(d.ids)) if d.draft_id is not None else (0, 0)
 
     def stop(self, session_id: str) -> None:
         """Cancel the running reply (queued says then start, in order)."""
@@ -667,6 +709,7 @@ class SessionService:
     def _start_say(self, session_id: str, say: _Say, truncate_from: int | None = None) -> list:
         """Append the user message and start its reply (lock held). Raises KvchatError."""
         session = self._sessions[session_id]
+        draft_events = self._end_draft(session_id)
         user = _message("user", say.text)
         max_tokens = say.max_tokens or session.max_tokens or self._default_max_tokens
         plan = self._plan(session, user, max_tokens)
@@ -682,7 +725,7 @@ class SessionService:
         changed = session.messages if (plan.full_render or truncate_from is not None) else [user]
         session.updated = time.time()
         self._persist(session, changed, truncate_from=0 if truncate_from is not None else None)
-        return self._start_reply(session, say)
+        return draft_events + self._start_reply(session, say)
 
     def _start_reply(self, session: Session, say: _Say) -> list:
         """Submit session.ids as the prompt; the assistant message streams into the store."""
@@ -797,8 +840,63 @@ class SessionService:
                 events.extend(self._start_say(session_id, say))
             except KvchatError as exc:
                 events.append(SessionFailed(session_id, str(exc)))
+        pending = rt.draft.pending
+        if pending is not None and rt.state == IDLE and not rt.queue:
+            rt.draft.pending = None
+            events.extend(self._submit_draft(self._sessions[session_id], rt, pending))
         events.append(SessionChanged(session_id))
         return events
+
+    def _submit_draft(self, session: Session, rt: _Runtime, text: str) -> list[ChatEvent]:
+        """Render `text` as the next turn would and hand it to the engine (lock held)."""
+        max_tokens = session.max_tokens or self._default_max_tokens
+        ids = draft_prompt(
+            session,
+            self._renderer,
+            text,
+            context_length=self._engine.context_length,
+            max_tokens=max_tokens,
+        )
+        if ids is None:
+            return self._end_draft(session.id)
+        d = rt.draft
+        if d.draft_id is not None and ids == d.ids:
+            return []
+        sid = session.id
+
+        def on_progress(event: DraftProgress) -> None:  # engine thread: hand over only
+            self._tasks.put(lambda: self._on_draft_progress(sid, event))
+
+        try:
+            draft_id = self._engine.draft(ids, on_progress, replaces=d.draft_id)
+        except Exception:  # a draft is only a guess: the turn computes what it needs
+            log.exception("engine draft failed")
+            return self._end_draft(sid)
+        d.draft_id, d.ready = draft_id, min(d.ready, common_prefix(d.ids, ids))
+        d.ids = ids
+        return [DraftChanged(sid, d.ready, len(ids))]
+
+    def _end_draft(self, session_id: str) -> list[ChatEvent]:
+        """Cancel the session's draft, if any, without waiting (lock held)."""
+        d = self._runtime[session_id].draft
+        draft_id, had = d.draft_id, d.draft_id is not None or d.pending is not None
+        d.clear()
+        if draft_id is not None:
+            with contextlib.suppress(Exception):
+                self._engine.cancel(draft_id)
+        return [DraftChanged(session_id, 0, 0)] if had else []
+
+    def _on_draft_progress(self, session_id: str, event: DraftProgress) -> None:
+        """Worker thread: how much of a draft is computed now."""
+        with self._lock:
+            rt = self._runtime.get(session_id)
+            if rt is None or rt.draft.draft_id != event.draft_id:
+                return  # a draft since replaced or ended
+            rt.draft.ready = event.ready_tokens
+            events: list[ChatEvent] = [
+                DraftChanged(session_id, event.ready_tokens, event.total_tokens)
+            ]
+        self._publish(events)
 
     def notice(self, session_id: str, text: str) -> None:
         """Tell subscribers something about a session (shown by the UI, kept in its view)."""

@@ -40,6 +40,7 @@ class TurnStats:
     ttft_s: float | None
     decode_tok_s: float | None
     error: str | None = None
+    draft_tokens: int = 0  # prompt tokens served from pages its drafts computed (in cached)
 
     @property
     def hit_rate(self) -> float:
@@ -57,6 +58,7 @@ class TurnStats:
             ttft_s=event.ttft_s,
             decode_tok_s=event.decode_tok_s,
             error=event.error,
+            draft_tokens=event.draft_tokens,
         )
 
     @classmethod

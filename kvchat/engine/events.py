@@ -60,10 +60,26 @@ class RequestFinished:
     decode_tok_s: float | None
     time: float
     error: str | None = None
+    # prompt tokens served from pages that drafts computed (also counted in cached_tokens)
+    draft_tokens: int = 0
 
     @property
     def generated_tokens(self) -> int:
         return len(self.generated_ids)
+
+
+@dataclass(frozen=True)
+class DraftProgress:
+    """How much of a draft (type-ahead prefill) is in the cache: sent as it grows."""
+
+    draft_id: int
+    ready_tokens: int  # the draft's tokens whose K/V is computed (or was found cached)
+    total_tokens: int
+    time: float
+
+    @property
+    def done(self) -> bool:
+        return self.ready_tokens >= self.total_tokens
 
 
 EngineEvent = RequestStarted | PrefillProgress | TokenGenerated | RequestFinished

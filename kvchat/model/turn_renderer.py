@@ -41,6 +41,8 @@ from kvchat.model.tokenizer import Tokenizer
 # Stands in for the last reply's content while locating it in the rendering.
 # Private-use characters: no real reply contains them, and `trim` leaves them alone.
 _SENTINEL = "\ue000kvchat-reply\ue001"
+# Stands in for a draft's user text: the rendering is cut where it starts.
+_DRAFT_SENTINEL = "\ue000kvchat-draft\ue001"
 
 
 class TurnRenderer:
@@ -84,6 +86,49 @@ class TurnRenderer:
         """
         if not history or history[-1].get("role") != "assistant":
             return self.prompt_ids([*history, *new_messages])
+        rest = self._continuation_text(history, new_messages, reply_ended_with_stop, stop_token_id)
+        return None if rest is None else self.tokenizer.encode(rest, special=True)
+
+    def draft_ids(
+        self,
+        history: Sequence[Message],
+        user_text: str,
+        *,
+        reply_ended_with_stop: bool,
+        stop_token_id: int | None = None,
+    ) -> list[int] | None:
+        """What a user message still being typed adds, up to the end of its text.
+
+        The ids `continuation_ids(history, [user message])` (or `prompt_ids` when
+        nothing is stored) would give, cut where the user's text ends: the template's
+        closing tokens and the generation prompt are left out, so the submitted turn
+        extends them. Only the last few ids may differ from the turn's once more text
+        follows (a word tokenizes differently when it grows); the KV cache matches
+        them token by token and recomputes from the first that differs. None when
+        the template cannot be appended to, or moves or rewrites the user's text.
+        """
+        draft = [{"role": "user", "content": _DRAFT_SENTINEL}]
+        if not history or history[-1].get("role") != "assistant":
+            text = self.template.render([*history, *draft], add_generation_prompt=True)
+            head = _before_sentinel(text)
+            if head is None:
+                return None
+            ids = self.tokenizer.encode(head + user_text, special=True)
+            return self._with_bos(text, ids)
+        rest = self._continuation_text(history, draft, reply_ended_with_stop, stop_token_id)
+        head = None if rest is None else _before_sentinel(rest)
+        if head is None:
+            return None
+        return self.tokenizer.encode(head + user_text, special=True)
+
+    def _continuation_text(
+        self,
+        history: Sequence[Message],
+        new_messages: Sequence[Message],
+        reply_ended_with_stop: bool,
+        stop_token_id: int | None,
+    ) -> str | None:
+        """The text the template writes after the stored ids for `new_messages`, or None."""
         now = datetime.now()
         reply = history[-1].get("content", "")
         marked = [*history[:-1], {**history[-1], "content": _SENTINEL}]
@@ -105,7 +150,7 @@ class TurnRenderer:
         full = self.template.render([*history, *new_messages], add_generation_prompt=True, now=now)
         if not full.startswith(covered):
             return None
-        return self.tokenizer.encode(full[len(covered) :], special=True)
+        return full[len(covered) :]
 
     def _end_of_turn_text(self, after_reply: str, stop_token_id: int | None) -> str | None:
         """The text of the stop token that ended the reply, if the template writes it."""
@@ -125,3 +170,10 @@ class TurnRenderer:
         if tokenizer.bos_token and text.startswith(tokenizer.bos_token):
             return ids
         return [bos_id, *ids]
+
+
+def _before_sentinel(text: str) -> str | None:
+    """The text before the draft sentinel; None unless it appears once, unchanged."""
+    if text.count(_DRAFT_SENTINEL) != 1:
+        return None
+    return text.split(_DRAFT_SENTINEL)[0]

@@ -1,0 +1,57 @@
+"""How many draft tokens a step may carry beside running streams, learned from step times.
+
+A draft is a guess at a prompt the user has not sent yet, so the streams must not
+pay for it: a step that carries a draft chunk beside decodes may take at most
+`DRAFT_STEP_SLOWDOWN` times a decode-only step, so the streams' inter-token
+latency rises by at most that much however many steps carry drafts (a percentile
+can only move when the slow steps are common, and here every one is bounded).
+
+The cost of a chunk is modelled as linear in its length: `per_token` is a moving
+average of (draft step - decode step) / chunk, and the chunk is the most tokens
+that fit in the allowed extra time. When even one token costs more (a slow machine,
+a long context to attend to, the bookkeeping of a step), drafts wait while streams
+run, and one token is tried again only every `PROBE_EVERY` decode steps, so those
+probes are too rare to show in a 99th percentile.
+"""
+
+from __future__ import annotations
+
+# A draft step may take this many times a decode-only step (the bar is 10% on the
+# streams' p99; half of it is left to the machine's noise).
+DRAFT_STEP_SLOWDOWN = 1.05
+AVERAGE_WEIGHT = 0.25  # of the newest draft step in the per-token cost's moving average
+PROBE_EVERY = 400  # decode-only steps between one-token probes while drafts are held back
+MAX_CHUNK = 256
+
+
+class DraftPacer:
+    def __init__(self, slowdown: float = DRAFT_STEP_SLOWDOWN) -> None:
+        self.slowdown = slowdown
+        self.per_token_s: float | None = None  # None until a draft step beside streams was seen
+        self._since_probe = 0
+
+    def chunk(self, decode_step_s: float | None) -> int:
+        """Draft tokens the next decode step may carry (0: drafts wait this step)."""
+        if decode_step_s is None:
+            return 0  # the streams' own pace is not known yet
+        if self.per_token_s is None:
+            return 1
+        allowed = (self.slowdown - 1.0) * decode_step_s
+        n = int(allowed / self.per_token_s) if self.per_token_s > 0 else MAX_CHUNK
+        if n >= 1:
+            return min(n, MAX_CHUNK)
+        self._since_probe += 1
+        if self._since_probe >= PROBE_EVERY:
+            self._since_probe = 0
+            return 1
+        return 0
+
+    def observe(self, seconds: float, decode_step_s: float | None, tokens: int) -> None:
+        """Account one step that carried `tokens` draft tokens beside decodes."""
+        if decode_step_s is None or tokens <= 0:
+            return
+        cost = max(0.0, seconds - decode_step_s) / tokens
+        if self.per_token_s is None:
+            self.per_token_s = cost
+        else:
+            self.per_token_s += AVERAGE_WEIGHT * (cost - self.per_token_s)
