@@ -38,6 +38,8 @@ class PageTableStats:
     cached_disk: int  # prompt tokens served from the disk tier (not built yet: always 0)
     prefilled_tokens: int  # prompt tokens that had to be computed
     recomputed_tokens: int  # tokens computed again for preempted or requeued sequences
+    draft_tokens: int = 0  # tokens drafts computed (never in prompt_tokens or prefilled_tokens)
+    draft_reused_tokens: int = 0  # prompt tokens served from pages drafts computed (in cached_*)
 
     @property
     def cached_tokens(self) -> int:
@@ -62,3 +64,5 @@ class CacheCounters:
     cached_disk: int = 0
     prefilled_tokens: int = 0
     recomputed_tokens: int = 0
+    draft_tokens: int = 0
+    draft_reused_tokens: int = 0

@@ -22,6 +22,7 @@ DRAFT_STEP_SLOWDOWN = 1.05
 AVERAGE_WEIGHT = 0.25  # of the newest draft step in the per-token cost's moving average
 PROBE_EVERY = 400  # decode-only steps between one-token probes while drafts are held back
 MAX_CHUNK = 256
+REFRESH_EVERY = 8  # every this many decode steps, one carries no draft (see `chunk`)
 
 
 class DraftPacer:
@@ -29,11 +30,15 @@ class DraftPacer:
         self.slowdown = slowdown
         self.per_token_s: float | None = None  # None until a draft step beside streams was seen
         self._since_probe = 0
+        self._steps = 0
 
     def chunk(self, decode_step_s: float | None) -> int:
         """Draft tokens the next decode step may carry (0: drafts wait this step)."""
         if decode_step_s is None:
             return 0  # the streams' own pace is not known yet
+        self._steps += 1
+        if self._steps % REFRESH_EVERY == 0:
+            return 0  # a decode-only step now and then keeps the streams' own pace current
         if self.per_token_s is None:
             return 1
         allowed = (self.slowdown - 1.0) * decode_step_s

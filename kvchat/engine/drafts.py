@@ -123,6 +123,12 @@ class DraftQueue:
             self._drafts.pop(draft.id, None)
         draft.report()
 
+    def release_all(self, table: PageTable) -> None:
+        """After an engine error: no draft may stay reserved in the table."""
+        for draft in self._drafts.values():
+            if table.is_live(draft.id):
+                table.release(draft.id)
+
     def abort_step(self, run: DraftRun, table: PageTable) -> None:
         """The forward failed: release the reservation, drop the draft (it was only a guess)."""
         if table.is_live(run.draft.id):

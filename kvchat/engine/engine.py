@@ -1,6 +1,6 @@
 """The engine: one thread runs the step loop over the paged cache and the model.
 
-`submit`, `cancel`, `prefetch`, `residency` and `stats` are safe from any thread
+`submit`, `draft`, `cancel`, `prefetch`, `residency` and `stats` are safe from any thread
 and never wait for a forward pass: requests go through an inbox the step thread
 drains, and `stats()` returns the snapshot published after the last step. The
 page table is touched by the step thread only, except `residency()`, which reads
@@ -21,8 +21,10 @@ from collections.abc import Sequence as Seq
 import torch
 
 from kvchat.engine.config import EngineConfig, default_cache_bytes
+from kvchat.engine.drafts import Draft, DraftQueue, DraftRun
 from kvchat.engine.events import (
     CachedTokens,
+    DraftProgress,
     EngineEvent,
     PrefillProgress,
     RequestFinished,
@@ -115,12 +117,14 @@ class Engine:
         if self.config.native_attention and device.type == "cpu":
             native_build.request()  # in the background: SDPA serves until it is loaded
         self.scheduler = Scheduler(self.config, self.table)
+        self.drafts = DraftQueue(self.config.step_token_budget)
         self.max_context = min(mc.max_position_embeddings, self.transformer.max_positions)
         self.stop_ids = frozenset(self.tokenizer.stop_token_ids)
 
         self._lock = threading.Lock()  # guards the page table and the inbox
         self._wake = threading.Event()
         self._inbox: list[Sequence] = []
+        self._draft_inbox: list[tuple[Draft, int | None]] = []  # (draft, the one it replaces)
         self._cancels: set[int] = set()
         self._prefetches: list[tuple[int, ...]] = []
         self._next_id = 1
@@ -202,6 +206,26 @@ class Engine:
         self._wake.set()
         return request_id
 
+    def draft(
+        self,
+        token_ids: Seq[int],
+        on_progress: Callable[[DraftProgress], None],
+        *,
+        replaces: int | None = None,
+    ) -> int:
+        """Compute `token_ids` ahead at the lowest priority (see `engine/drafts.py`).
+
+        Nothing is generated; `on_progress` hears how many tokens are computed.
+        `replaces` cancels that draft first (its computed pages stay cached);
+        `cancel` ends this one the same way.
+        """
+        with self._lock:
+            draft_id = self._next_id
+            self._next_id += 1
+            self._draft_inbox.append((Draft(draft_id, tuple(token_ids), on_progress), replaces))
+        self._wake.set()
+        return draft_id
+
     def cancel(self, request_id: int) -> None:
         with self._lock:
             self._cancels.add(request_id)
@@ -268,7 +292,8 @@ class Engine:
         with self._lock:
             self._drain_inbox()
             plan = self.scheduler.schedule()
-            if plan.empty:
+            draft = self._plan_draft(plan)
+            if plan.empty and draft is None:
                 stuck = self.scheduler.unfittable()
                 if stuck is not None:
                     self._fail(
@@ -300,7 +325,7 @@ class Engine:
                     self._on_admitted(seq, reservation)
                 for seq in plan.preempted:
                     seq.state = RequestState.PREEMPTED
-                batch, page_lists = self._build_batch(plan)
+                batch, page_lists = self._build_batch(plan, draft)
         if touch is not None:  # outside the lock: submit() never waits for page faults
             self.store.touch(*touch)
             return True
@@ -313,12 +338,33 @@ class Engine:
             with self._lock:
                 for seq, _ in plan.runs:
                     self._fail(seq, f"The model failed on this request: {exc}")
+                if draft is not None:
+                    self.drafts.abort_step(draft, self.table)
             return True
         with self._lock:
             self._after_forward(plan, logits)
-            self.scheduler.pacer.observe(plan.kind, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            if draft is None:
+                self.scheduler.pacer.observe(plan.kind, seconds)
+            else:
+                self.drafts.finish_step(draft, self.table)
+                self._rates[-1] = (*self._rates[-1][:2], self._rates[-1][2] + draft.n)
+                if plan.runs:  # beside decodes: what the draft chunk cost the streams
+                    decode_s = self.scheduler.pacer.decode_step_s
+                    self.drafts.pacer.observe(seconds, decode_s, draft.n)
             self._publish_stats()
         return True
+
+    def _plan_draft(self, plan: StepPlan) -> DraftRun | None:
+        """A draft chunk for this step, if drafts may run beside what the plan holds."""
+        running = self.scheduler.running
+        return self.drafts.plan(
+            self.table,
+            prompts_pending=bool(self.scheduler.waiting) or plan.decodes < len(plan.runs),
+            decodes=plan.decodes,
+            slots_free=self.config.max_batch - len(running),
+            decode_step_s=self.scheduler.pacer.decode_step_s,
+        )
 
     def _drain_inbox(self) -> None:
         for seq in self._inbox:
@@ -330,17 +376,31 @@ class Engine:
             else:
                 self.scheduler.add(seq)
         self._inbox.clear()
+        for draft, replaces in self._draft_inbox:
+            if replaces is not None:
+                self.drafts.cancel(replaces)
+            problem = self._validate_tokens(draft.tokens)
+            if problem:  # a draft is only a guess: the turn will report the problem
+                log.info("draft %d dropped: %s", draft.id, problem)
+            else:
+                self.drafts.add(draft)
+        self._draft_inbox.clear()
         for request_id in self._cancels:
             seq = self._seqs.get(request_id)
             if seq is not None:
                 self._finish(seq, FinishReason.CANCELLED)
+            else:
+                self.drafts.cancel(request_id)
         self._cancels.clear()
         for tokens in self._prefetches:
             self.table.prefetch(tokens)
         self._prefetches.clear()
 
     def _validate(self, seq: Sequence) -> str | None:
-        n = len(seq.tokens)
+        return self._validate_tokens(seq.tokens)
+
+    def _validate_tokens(self, tokens: Seq[int]) -> str | None:
+        n = len(tokens)
         if n == 0:
             return "The prompt is empty."
         if n >= self.max_context:
@@ -349,7 +409,7 @@ class Engine:
                 "shorten the conversation or start a new session."
             )
         vocab = self.model.config.vocab_size
-        if max(seq.tokens) >= vocab or min(seq.tokens) < 0:
+        if max(tokens) >= vocab or min(tokens) < 0:
             return "The prompt has token ids outside the model's vocabulary (another model's ids?)."
         pages_needed = n // self.config.page_size + 1
         if pages_needed > self.table.num_pages:
@@ -366,6 +426,7 @@ class Engine:
                 device=reservation.cached_device, host=reservation.cached_host
             )
             seq.prefilled_tokens = len(seq.tokens) - reservation.cached_tokens
+            seq.draft_tokens = reservation.cached_draft
         else:
             seq.recomputed_tokens += len(seq.tokens) - reservation.cached_tokens
         seq.state = (
@@ -374,9 +435,14 @@ class Engine:
             else RequestState.DECODING
         )
 
-    def _build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[tuple[int, ...]]]:
+    def _build_batch(
+        self, plan: StepPlan, draft: DraftRun | None = None
+    ) -> tuple[ForwardBatch, list[tuple[int, ...]]]:
+        """The step's runs packed; a draft's chunk goes last and asks for no logits."""
         runs = [seq.tokens[seq.num_computed : seq.num_computed + n] for seq, n in plan.runs]
         starts = [seq.num_computed for seq, _ in plan.runs]
+        query_lens = [n for _, n in plan.runs]
+        page_lists = [self.table.pages(seq.id) for seq, _ in plan.runs]
         device = self.transformer.device
         ids: list[int] = []
         positions: list[int] = []
@@ -386,14 +452,20 @@ class Engine:
             positions.extend(range(start, start + n))
             if start + n == len(seq.tokens):  # the chunk reaches the end: sample after it
                 logits_at.append(len(ids) - 1)
+        if draft is not None:
+            ids.extend(draft.draft.tokens[draft.start : draft.start + draft.n])
+            positions.extend(range(draft.start, draft.start + draft.n))
+            starts.append(draft.start)
+            query_lens.append(draft.n)
+            page_lists.append(self.table.pages(draft.draft.id))
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
-            query_lens=tuple(n for _, n in plan.runs),
-            context_lens=tuple(s + n for s, (_, n) in zip(starts, plan.runs, strict=True)),
+            query_lens=tuple(query_lens),
+            context_lens=tuple(s + n for s, n in zip(starts, query_lens, strict=True)),
             logits_indices=torch.tensor(logits_at, dtype=torch.long, device=device),
         )
-        return batch, [self.table.pages(seq.id) for seq, _ in plan.runs]
+        return batch, page_lists
 
     def _after_forward(self, plan: StepPlan, logits: torch.Tensor) -> None:
         now = time.monotonic()
@@ -482,6 +554,10 @@ class Engine:
     def _fail_all(self, message: str) -> None:
         """Finish every live request with an error, so no caller waits forever after a bug."""
         with self._lock:
+            try:
+                self.drafts.release_all(self.table)
+            except Exception:
+                log.exception("releasing drafts after an engine error")
             for seq in list(self._seqs.values()):
                 try:
                     self._fail(seq, message)
@@ -521,6 +597,7 @@ class Engine:
                 decode_tok_s=decode_rate,
                 time=now,
                 error=error,
+                draft_tokens=seq.draft_tokens,
             )
         )
 
@@ -551,6 +628,9 @@ class Engine:
             evictions=Evictions(t.device_to_host, t.host_dropped, t.device_dropped),
             requests=states,
             preemptions=self.scheduler.preemptions,
+            draft_tokens=t.draft_tokens,
+            draft_reused_tokens=t.draft_reused_tokens,
+            drafts=len(self.drafts),
             decode_tok_s=decode_rate,
             prefill_tok_s=prefill_rate,
             page_size=self.config.page_size,

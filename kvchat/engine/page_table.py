@@ -81,6 +81,7 @@ class Reservation:
     cached_host: int  # tokens restored from the host tier
     reused_tail: int  # tokens copied from a partial (or capped full) page; part of cached_device
     to_compute_from: int  # == cached_device + cached_host
+    cached_draft: int = 0  # of cached_device: tokens that drafts computed and no turn had used
 
     @property
     def cached_tokens(self) -> int:
@@ -107,13 +108,15 @@ class PageInfo:
     refcount: int
     last_used: int
     indexed: bool  # matchable by hash (a full page computed twice keeps one copy indexed)
+    draft_from: int | None = None  # slots from here on a draft computed and no turn used yet
 
 
 class PageTable:
     """Device pages of one KV pool: allocation, prefix sharing, eviction, host tier, defrag.
 
     When no page is free, cached pages are evicted in the order `eviction` gives
-    (orphans, then whole trees by least-recently-used root, deepest page first).
+    (orphans, pages only drafts computed, then whole trees by least-recently-used
+    root, deepest page first).
     Evicting a full indexed page copies it to the host tier (or finds it there
     already); a partial page, or any page without a host tier, is dropped.
     Referenced pages are never victims.
@@ -151,7 +154,7 @@ class PageTable:
         seq_id: int,
         token_ids: Sequence[int],
         *,
-        count_as: Literal["prompt", "recompute"],
+        count_as: Literal["prompt", "recompute", "draft"],
     ) -> Reservation | None:
         """Admit a sequence whose K/V must cover `token_ids`; None (no change) if it cannot fit.
 
@@ -159,11 +162,18 @@ class PageTable:
         host), then the longest matching prefix of a page under the last matched
         hash is copied as the tail. At most `len(token_ids) - 1` tokens count as
         cached: the engine must compute at least the last one to get its logits.
+
+        A draft (`count_as="draft"`) gets no slot for a generated token, counts in no
+        prompt counter, and marks what it writes as a draft's (`commit`); a prompt's
+        reservation takes such pages over as its own and counts them in `cached_draft`.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already live")
-        if count_as not in ("prompt", "recompute"):
-            raise ValueError(f"count_as must be 'prompt' or 'recompute', got {count_as!r}")
+        if count_as not in ("prompt", "recompute", "draft"):
+            raise ValueError(
+                f"count_as must be 'prompt', 'recompute' or 'draft', got {count_as!r}"
+            )
+        is_draft = count_as == "draft"
         tokens = tuple(map(int, token_ids))
         n = len(tokens)
         if n == 0:
@@ -171,7 +181,8 @@ class PageTable:
         ps = self.page_size
         walk = self._index.walk(tokens, n - 1, self.salt, self.host, host_tail=True)
         device_hits = [p for _, p in walk.chain if p is not None]
-        total_pages = n // ps + 1  # ceil((n + 1) / ps): the prompt plus one generated token
+        # ceil((n + 1) / ps): the prompt plus one generated token; a draft generates none
+        total_pages = -(-n // ps) if is_draft else n // ps + 1
         need = total_pages - len(device_hits)
         pinned = set(device_hits)
         takeover = walk.tail_src is not None and self._can_take_over(walk.tail_src, walk.tail_len)
@@ -183,7 +194,10 @@ class PageTable:
 
         self._clock += 1
         clock = self._clock
+        cached_draft = 0
         for p in device_hits:
+            if not is_draft:
+                cached_draft += self._take_from_draft(p, self.page_size)
             self._ref(p, clock)
         host_hits = [h for h, p in walk.chain if p is None]
         protect_host = set(host_hits) | _opt(walk.tail_host)
@@ -217,6 +231,8 @@ class PageTable:
                 page.last_used = clock  # already holds exactly the matched tokens
                 cached_device += m
                 reused_tail = m
+                if not is_draft:
+                    cached_draft += self._take_from_draft(p, m)
             elif walk.tail_src is not None:
                 src = self._pages[walk.tail_src]
                 self._mover.copy_tokens(walk.tail_src, p, m)
@@ -224,6 +240,11 @@ class PageTable:
                 src.last_used = clock
                 cached_device += m
                 reused_tail = m
+                guessed = src.draft_from is not None and src.draft_from < m
+                if guessed and is_draft:  # the copy is as much a guess as its source
+                    page.draft_from = src.draft_from
+                elif guessed:
+                    cached_draft += m - (src.draft_from or 0)
             else:
                 assert walk.tail_host is not None and self.host is not None
                 slot = self.host.slot_of(walk.tail_host)
@@ -243,16 +264,19 @@ class PageTable:
             pages.append(p)
 
         cached = cached_device + cached_host
-        self._seqs[seq_id] = SeqPages(pages, cached)
+        self._seqs[seq_id] = SeqPages(pages, cached, is_draft)
         c = self._counters
         if count_as == "prompt":
             c.prompt_tokens += n
             c.cached_device += cached_device
             c.cached_host += cached_host
             c.prefilled_tokens += n - cached
-        else:
+            c.draft_reused_tokens += cached_draft
+        elif count_as == "recompute":
             c.recomputed_tokens += n - cached
-        return Reservation(seq_id, tuple(pages), cached_device, cached_host, reused_tail, cached)
+        return Reservation(
+            seq_id, tuple(pages), cached_device, cached_host, reused_tail, cached, cached_draft
+        )
 
     def ensure_capacity(self, seq_id: int, total_tokens: int) -> bool:
         """Give the sequence slots for `total_tokens` tokens; False (no change) if impossible."""
@@ -286,6 +310,8 @@ class PageTable:
                 f"{len(seq.pages) * ps} slots are allocated (call ensure_capacity first)"
             )
         self._clock += 1
+        if seq.draft:
+            self._counters.draft_tokens += len(token_ids)
         done = 0
         while done < len(token_ids):
             pos = seq.num_tokens
@@ -298,6 +324,8 @@ class PageTable:
                 page.parent = parent
                 self._index.add_child(parent, p)
             take = min(ps - pos % ps, len(token_ids) - done)
+            if seq.draft and page.draft_from is None:
+                page.draft_from = len(page.tokens)
             page.tokens.extend(token_ids[done : done + take])
             page.last_used = self._clock
             done += take
@@ -429,6 +457,8 @@ class PageTable:
             cached_disk=c.cached_disk,
             prefilled_tokens=c.prefilled_tokens,
             recomputed_tokens=c.recomputed_tokens,
+            draft_tokens=c.draft_tokens,
+            draft_reused_tokens=c.draft_reused_tokens,
         )
 
     def page_info(self, index: int) -> PageInfo:
@@ -442,6 +472,7 @@ class PageTable:
             page.refcount,
             page.last_used,
             indexed,
+            page.draft_from,
         )
 
     def validate(self) -> None:
@@ -555,6 +586,16 @@ class PageTable:
         page.parent = None
         page.tokens = []
         page.last_used = 0
+        page.draft_from = None
+
+    def _take_from_draft(self, p: int, matched: int) -> int:
+        """A turn uses page `p`'s first `matched` slots: no longer a guess. Returns draft tokens."""
+        page = self._pages[p]
+        start = page.draft_from
+        if start is None:
+            return 0
+        page.draft_from = None
+        return max(0, matched - start)
 
     def _ref(self, p: int, clock: int) -> None:
         page = self._pages[p]

@@ -67,6 +67,8 @@ def page_table_problems(
             out.append(f"page {p}: last_used {page.last_used} is after the clock")
         if p in free and (page.tokens or page.hash is not None or page.parent is not None):
             out.append(f"free page {p} still has content")
+        if page.draft_from is not None and not 0 <= page.draft_from < max(1, len(page.tokens)):
+            out.append(f"page {p}: draft_from {page.draft_from} is outside its tokens")
         if p in cached and not page.tokens:
             out.append(f"cached page {p} holds no tokens")
         if not page.tokens:

@@ -41,6 +41,7 @@ class Sequence:
         self.since_admission = 0  # tokens generated since the last (re)admission
         self.cached = CachedTokens()
         self.prefilled_tokens = 0
+        self.draft_tokens = 0  # prompt tokens served from pages drafts computed
         self.recomputed_tokens = 0
         self.text = ""  # emitted text so far
         self.pending_text = ""  # decoded but held back: might be the start of a stop string

@@ -38,6 +38,9 @@ class EngineStats:
     evictions: Evictions = field(default_factory=Evictions)
     requests: dict[str, int] = field(default_factory=dict)  # RequestState value -> count
     preemptions: int = 0
+    draft_tokens: int = 0  # computed by drafts (type-ahead); never in prompt or prefilled tokens
+    draft_reused_tokens: int = 0  # prompt tokens served from pages drafts computed (in cached)
+    drafts: int = 0  # drafts waiting to be computed
     decode_tok_s: float = 0.0  # over the last few seconds
     prefill_tok_s: float = 0.0
     page_size: int = 0
