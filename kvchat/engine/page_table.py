@@ -170,9 +170,7 @@ class PageTable:
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already live")
         if count_as not in ("prompt", "recompute", "draft"):
-            raise ValueError(
-                f"count_as must be 'prompt', 'recompute' or 'draft', got {count_as!r}"
-            )
+            raise ValueError(f"count_as must be 'prompt', 'recompute' or 'draft', got {count_as!r}")
         is_draft = count_as == "draft"
         tokens = tuple(map(int, token_ids))
         n = len(tokens)
