@@ -128,6 +128,7 @@ def test_report_files_and_markdown_name_the_machine_and_every_engine(bench):
     assert results["machine"]["cpu"] in text
     for name in ("kvchat", "transformers-naive", "transformers-cache", "llama.cpp"):
         assert name in text
+    assert results["targets"] and "## Targets (ratios within this run)" in text
     pytest.importorskip("matplotlib")
     assert (out / "w1_ttft.png").stat().st_size > 0
     assert (out / "sweep_ttft.png").stat().st_size > 0

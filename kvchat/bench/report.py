@@ -13,8 +13,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from kvchat.bench.bars import check_bars
 from kvchat.bench.machine import machine_line
+from kvchat.bench.targets import check_targets
 from kvchat.units import format_size
 
 JSON_NAME = "bench.json"
@@ -279,8 +279,8 @@ def markdown(results: dict) -> str:
         extra = _leftovers(w)
         if extra:
             lines += ["", *extra]
-    bars = results.get("bars", [])
-    if bars:
+    targets = results.get("targets", [])
+    if targets:
         rows = [
             [
                 b["workload"],
@@ -289,7 +289,7 @@ def markdown(results: dict) -> str:
                 ("≥ " if b["higher_is_better"] else "≤ ") + _f(b["target"], 3),
                 "yes" if b["passed"] else "**no**",
             ]
-            for b in bars
+            for b in targets
         ]
         lines += [
             "",
@@ -378,7 +378,7 @@ def write_report(results: dict, out: Path) -> tuple[list[Path], list[str]]:
         else:
             notes.append(f"{name} not written: {skipped}")
     results["charts"] = charts
-    results["bars"] = [b.to_json() for b in check_bars(results)]
+    results["targets"] = [t.to_json() for t in check_targets(results)]
     (out / JSON_NAME).write_text(json.dumps(results, indent=2), encoding="utf-8")
     (out / MARKDOWN_NAME).write_text(markdown(results), encoding="utf-8")
     written += [out / JSON_NAME, out / MARKDOWN_NAME]

@@ -1,7 +1,7 @@
 """kvchat's performance targets, checked against one bench run's medians.
 
-Each bar is a ratio measured in the same run (never against numbers from another
-machine), so a noisy or slower machine moves kvchat and its peers together. A bar
+Each target is a ratio measured in the same run (never against numbers from another
+machine), so a noisy or slower machine moves kvchat and its peers together. A target
 whose inputs are missing (a peer not installed, a workload not run) is left out,
 not failed. In a `--quick` run the sizes are too small for the ratios to mean
 much; the report says so.
@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
-class Bar:
+class Target:
     workload: str
     claim: str
     value: float
@@ -33,16 +33,16 @@ def _median(results: dict, workload: str, engine: str) -> dict | None:
     return entry["median"] if entry else None
 
 
-def check_bars(results: dict) -> list[Bar]:
-    bars: list[Bar] = []
+def check_targets(results: dict) -> list[Target]:
+    targets: list[Target] = []
     theirs = _median(results, "speed", "transformers")
     # the same-dtype comparison: kvchat with dense weights when its default is quantized
     name = "kvchat-dense" if _median(results, "speed", "kvchat-dense") else "kvchat"
     ours = _median(results, "speed", name)
     if ours and theirs:
         if theirs["decode_tok_s"]:
-            bars.append(
-                Bar(
+            targets.append(
+                Target(
                     "speed",
                     f"{name} decode at batch 1 vs transformers (x)",
                     ours["decode_tok_s"] / theirs["decode_tok_s"],
@@ -52,8 +52,8 @@ def check_bars(results: dict) -> list[Bar]:
             )
         first = next(iter(ours["prefill_tok_s"]), None)
         if first and first in theirs["prefill_tok_s"] and theirs["prefill_tok_s"][first]:
-            bars.append(
-                Bar(
+            targets.append(
+                Target(
                     "speed",
                     f"{name} prefill {first} vs transformers (x)",
                     ours["prefill_tok_s"][first] / theirs["prefill_tok_s"][first],
@@ -63,8 +63,8 @@ def check_bars(results: dict) -> list[Bar]:
             )
     w1 = _median(results, "W1", "kvchat")
     if w1:
-        bars.append(
-            Bar(
+        targets.append(
+            Target(
                 "W1",
                 "prefilled tokens beyond each follow-up's new tokens",
                 w1["follow_up_excess_prefill"],
@@ -79,8 +79,8 @@ def check_bars(results: dict) -> list[Bar]:
         ):
             other = _median(results, "W1", peer)
             if other and other["total_s"]:
-                bars.append(
-                    Bar(
+                targets.append(
+                    Target(
                         "W1",
                         f"total time vs {peer} (fraction)",
                         w1["total_s"] / other["total_s"],
@@ -90,8 +90,8 @@ def check_bars(results: dict) -> list[Bar]:
                 )
     sweep = _median(results, "sweep", "kvchat")
     if sweep:
-        bars.append(
-            Bar(
+        targets.append(
+            Target(
                 "sweep",
                 "slowest follow-up TTFT after a switch (s)",
                 max(sweep["ttft_s"]),
@@ -101,8 +101,8 @@ def check_bars(results: dict) -> list[Bar]:
         )
     w2, hf2 = _median(results, "W2", "kvchat"), _median(results, "W2", "transformers")
     if w2 and hf2 and hf2["decode_tok_s"]:
-        bars.append(
-            Bar(
+        targets.append(
+            Target(
                 "W2",
                 "aggregate decode vs transformers batched generate (x)",
                 w2["decode_tok_s"] / hf2["decode_tok_s"],
@@ -112,8 +112,8 @@ def check_bars(results: dict) -> list[Bar]:
         )
     w3 = _median(results, "W3", "kvchat")
     if w3 and w3["itl_p99_alone_s"]:
-        bars.append(
-            Bar(
+        targets.append(
+            Target(
                 "W3",
                 "streams' p99 inter-token latency during an ingest vs alone (x)",
                 w3["p99_ratio"],
@@ -124,8 +124,8 @@ def check_bars(results: dict) -> list[Bar]:
     on = _median(results, "W4", "half, host tier on")
     everything = _median(results, "W4", "all on device")
     if on and everything and everything["hit_rate"]:
-        bars.append(
-            Bar(
+        targets.append(
+            Target(
                 "W4",
                 "hit rate, half device cache + host tier vs all on device",
                 on["hit_rate"] / everything["hit_rate"],
@@ -133,4 +133,4 @@ def check_bars(results: dict) -> list[Bar]:
                 True,
             )
         )
-    return bars
+    return targets
