@@ -16,8 +16,8 @@ probes are too rare to show in a 99th percentile.
 
 from __future__ import annotations
 
-# A draft step may take this many times a decode-only step (the bar is 10% on the
-# streams' p99; half of it is left to the machine's noise).
+# A draft step may take this many times a decode-only step (drafts may cost the streams'
+# p99 at most 10%; half of that is left to the machine's noise).
 DRAFT_STEP_SLOWDOWN = 1.05
 AVERAGE_WEIGHT = 0.25  # of the newest draft step in the per-token cost's moving average
 PROBE_EVERY = 400  # decode-only steps between one-token probes while drafts are held back
