@@ -261,7 +261,7 @@ def test_an_idle_engine_faults_its_kv_store_in_slices_and_yields_to_a_new_reques
     """Idle steps touch the store `TOUCH_BYTES_PER_STEP` at a time, lowest pages first; a
     request that arrives meanwhile is computed on the very next step; once the whole
     store is touched an idle step does nothing, and the outputs are what they were."""
-    from kvchat.engine import engine as engine_module
+    from kvchat.engine import idle_housekeeping
     from kvchat.engine.config import EngineConfig
     from kvchat.engine.engine import Engine
     from kvchat.engine.kv_store import kv_bytes_per_token
@@ -269,7 +269,7 @@ def test_an_idle_engine_faults_its_kv_store_in_slices_and_yields_to_a_new_reques
     c = tiny.config
     per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, tiny.dtype)
     page_bytes = 16 * per_token
-    monkeypatch.setattr(engine_module, "TOUCH_BYTES_PER_STEP", 3 * page_bytes)
+    monkeypatch.setattr(idle_housekeeping, "TOUCH_BYTES_PER_STEP", 3 * page_bytes)
     config = EngineConfig(device_cache_bytes=20 * page_bytes, host_cache_bytes=0, page_size=16)
     prompt = tuple(range(3, 43))
     with Engine(tiny, config, start=False) as engine:
@@ -303,12 +303,12 @@ def test_an_idle_engine_faults_its_kv_store_in_slices_and_yields_to_a_new_reques
 def test_idle_defragmentation_runs_in_slices_and_yields_to_a_new_request(tiny, monkeypatch):
     """The idle engine moves at most `DEFRAG_PAGES_PER_STEP` pages a step: a request that
     arrives meanwhile is computed on the very next step, and the pass finishes after it."""
-    from kvchat.engine import engine as engine_module
+    from kvchat.engine import idle_housekeeping
     from kvchat.engine.config import EngineConfig
     from kvchat.engine.engine import Engine
     from kvchat.engine.kv_store import kv_bytes_per_token
 
-    monkeypatch.setattr(engine_module, "DEFRAG_PAGES_PER_STEP", 4)
+    monkeypatch.setattr(idle_housekeeping, "DEFRAG_PAGES_PER_STEP", 4)
     c = tiny.config
     per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, tiny.dtype)
     config = EngineConfig(  # 48 pages: the two prompts' 33 pages are most of them

@@ -1,5 +1,11 @@
 """The engine: one thread runs the step loop over the paged cache and the model.
 
+A step is schedule, run, postprocess: the scheduler picks this step's runs
+(`scheduler`, and a draft chunk from `drafts`), the model runs them as one batch
+(`batch_builder`, the paged attention), and each finished run's token is sampled,
+turned into text (`detokenize`, `stop_strings`) and streamed. A step with nothing
+to run does idle housekeeping instead (`idle_housekeeping`).
+
 `submit`, `draft`, `cancel`, `prefetch`, `residency` and `stats` are safe from any thread
 and never wait for a forward pass: requests go through an inbox the step thread
 drains, and `stats()` returns the snapshot published after the last step. The
@@ -17,10 +23,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
+from kvchat.engine.batch_builder import build_batch
 from kvchat.engine.config import EngineConfig, default_cache_bytes
+from kvchat.engine.detokenize import token_text
 from kvchat.engine.drafts import Draft, DraftQueue, DraftRun
 from kvchat.engine.events import (
     CachedTokens,
@@ -32,6 +41,7 @@ from kvchat.engine.events import (
     TokenGenerated,
 )
 from kvchat.engine.host_tier import HostTier
+from kvchat.engine.idle_housekeeping import IdleHousekeeping
 from kvchat.engine.kv_store import DeviceKVStore, HostKVStore, KVPageMover, pages_for_bytes
 from kvchat.engine.page_hash import root_salt
 from kvchat.engine.page_table import PageTable, Residency
@@ -55,12 +65,16 @@ NON_FINITE_LOGITS = (
     "the model."
 )
 RATE_WINDOW_S = 5.0
-# Idle defragmentation moves at most this many pages a step, so a request that arrives
-# meanwhile waits for one slice, not for the whole pass (measured: docs/kv-cache.md).
-DEFRAG_PAGES_PER_STEP = 16
-# After that, an idle step on a CPU faults in this much of the KV store that no step has
-# touched yet (`DeviceKVStore.touch`), so later prefills do not pay for it.
-TOUCH_BYTES_PER_STEP = 32 << 20
+
+
+@dataclass(frozen=True)
+class _ScheduledStep:
+    """What `_schedule` planned for one step: the runs, a draft chunk, and their batch."""
+
+    plan: StepPlan
+    draft: DraftRun | None
+    batch: ForwardBatch
+    page_lists: list[tuple[int, ...]]
 
 
 def freeze_long_lived_objects() -> None:
@@ -134,10 +148,7 @@ class Engine:
         self._rates: deque[tuple[float, int, int]] = (
             deque()
         )  # (time, decode tokens, prefill tokens)
-        self._defragmented = True
-        self._defragmenting = False  # a pass cut into slices is under way
-        # pages below this were faulted in by idle steps (CPU stores; others need nothing)
-        self._touched_pages = 0 if self.store.device.type == "cpu" else self.store.num_pages
+        self._idle = IdleHousekeeping(self.store)
         self._stats = EngineStats(page_size=ps)
         self._publish_stats()
         self._thread = threading.Thread(target=self._loop, name="kvchat-engine", daemon=True)
@@ -282,65 +293,53 @@ class Engine:
                 self._finish(seq, FinishReason.CANCELLED)
 
     def step(self) -> bool:
-        """Run one step; False when there was nothing to do.
+        """Run one step: schedule, run the model, postprocess. False when there was nothing to do.
 
-        An idle step defragments the page table in slices (`DEFRAG_PAGES_PER_STEP`), then
-        faults in the KV store's memory in slices (`TOUCH_BYTES_PER_STEP`), and counts as
-        work while either is under way, so the loop looks at the inbox between slices.
+        A step with nothing to run does a slice of idle housekeeping instead, and counts
+        as work while that is under way, so the loop looks at the inbox between slices.
         """
-        touch: tuple[int, int] | None = None
+        scheduled = self._schedule()
+        if scheduled is None:
+            return self._idle_step()
+        started = time.perf_counter()
+        logits = self._run(scheduled)
+        if logits is not None:
+            self._postprocess(scheduled, logits, started)
+        return True
+
+    def _schedule(self) -> _ScheduledStep | None:
+        """Take in new requests and cancels, plan this step and build its batch (None: idle)."""
         with self._lock:
             self._drain_inbox()
             plan = self.scheduler.schedule()
             draft = self._plan_draft(plan)
             if plan.empty and draft is None:
-                stuck = self.scheduler.unfittable()
-                if stuck is not None:
-                    self._fail(
-                        stuck,
-                        "The prompt does not fit in the device cache even when it "
-                        "is empty; raise --device-cache or shorten the conversation.",
-                    )
-                    return True
-                if not self.scheduler.running and not self._defragmented:
-                    moved = self.table.defragment(
-                        max_moves=DEFRAG_PAGES_PER_STEP, resuming=self._defragmenting
-                    )
-                    self._defragmented = moved == 0
-                    self._defragmenting = moved > 0
-                    if moved:  # more may be left: come back after a look at the inbox
-                        self._publish_stats()
-                        return True
-                self._publish_stats()
-                if self._touched_pages >= self.store.num_pages:
-                    return False
-                per_step = max(1, TOUCH_BYTES_PER_STEP // self.store.page_bytes())
-                end = min(self.store.num_pages, self._touched_pages + per_step)
-                touch = (self._touched_pages, end)
-                self._touched_pages = end
-            else:
-                self._defragmented = False
-                self._defragmenting = False  # work came: the next idle pass starts afresh
-                for seq, reservation in plan.admitted:
-                    self._on_admitted(seq, reservation)
-                for seq in plan.preempted:
-                    seq.state = RequestState.PREEMPTED
-                batch, page_lists = self._build_batch(plan, draft)
-        if touch is not None:  # outside the lock: submit() never waits for page faults
-            self.store.touch(*touch)
-            return True
-        started = time.perf_counter()
+                return None
+            self._idle.work_came()
+            for seq, reservation in plan.admitted:
+                self._on_admitted(seq, reservation)
+            for seq in plan.preempted:
+                seq.state = RequestState.PREEMPTED
+            batch, page_lists = build_batch(plan, draft, self.table, self.transformer.device)
+            return _ScheduledStep(plan, draft, batch, page_lists)
+
+    def _run(self, step: _ScheduledStep) -> torch.Tensor | None:
+        """The forward pass, outside the lock; on failure this step's requests fail (None)."""
         try:
-            self.attention.prepare(batch, page_lists)
-            logits = self.transformer.forward(batch, self.attention)
+            self.attention.prepare(step.batch, step.page_lists)
+            return self.transformer.forward(step.batch, self.attention)
         except Exception as exc:  # fail this step's requests, keep serving the others
             log.exception("forward pass failed")
             with self._lock:
-                for seq, _ in plan.runs:
+                for seq, _ in step.plan.runs:
                     self._fail(seq, f"The model failed on this request: {exc}")
-                if draft is not None:
-                    self.drafts.abort_step(draft, self.table)
-            return True
+                if step.draft is not None:
+                    self.drafts.abort_step(step.draft, self.table)
+            return None
+
+    def _postprocess(self, step: _ScheduledStep, logits: torch.Tensor, started: float) -> None:
+        """Commit the step's K/V, sample and stream tokens, feed the pacers, publish stats."""
+        plan, draft = step.plan, step.draft
         with self._lock:
             self._after_forward(plan, logits)
             seconds = time.perf_counter() - started
@@ -353,6 +352,26 @@ class Engine:
                     decode_s = self.scheduler.pacer.decode_step_s
                     self.drafts.pacer.observe(seconds, decode_s, draft.n)
             self._publish_stats()
+
+    def _idle_step(self) -> bool:
+        """Fail a prompt that can never fit, else one slice of housekeeping; False when done."""
+        with self._lock:
+            stuck = self.scheduler.unfittable()
+            if stuck is not None:
+                self._fail(
+                    stuck,
+                    "The prompt does not fit in the device cache even when it "
+                    "is empty; raise --device-cache or shorten the conversation.",
+                )
+                return True
+            if self._idle.defragment_slice(self.table, running=bool(self.scheduler.running)):
+                self._publish_stats()  # more may be left: come back after a look at the inbox
+                return True
+            self._publish_stats()
+            touch = self._idle.next_touch(self.store)
+        if touch is None:
+            return False
+        self.store.touch(*touch)  # outside the lock: submit() never waits for page faults
         return True
 
     def _plan_draft(self, plan: StepPlan) -> DraftRun | None:
@@ -435,38 +454,6 @@ class Engine:
             else RequestState.DECODING
         )
 
-    def _build_batch(
-        self, plan: StepPlan, draft: DraftRun | None = None
-    ) -> tuple[ForwardBatch, list[tuple[int, ...]]]:
-        """The step's runs packed; a draft's chunk goes last and asks for no logits."""
-        runs = [seq.tokens[seq.num_computed : seq.num_computed + n] for seq, n in plan.runs]
-        starts = [seq.num_computed for seq, _ in plan.runs]
-        query_lens = [n for _, n in plan.runs]
-        page_lists = [self.table.pages(seq.id) for seq, _ in plan.runs]
-        device = self.transformer.device
-        ids: list[int] = []
-        positions: list[int] = []
-        logits_at: list[int] = []
-        for (seq, n), run, start in zip(plan.runs, runs, starts, strict=True):
-            ids.extend(run)
-            positions.extend(range(start, start + n))
-            if start + n == len(seq.tokens):  # the chunk reaches the end: sample after it
-                logits_at.append(len(ids) - 1)
-        if draft is not None:
-            ids.extend(draft.draft.tokens[draft.start : draft.start + draft.n])
-            positions.extend(range(draft.start, draft.start + draft.n))
-            starts.append(draft.start)
-            query_lens.append(draft.n)
-            page_lists.append(self.table.pages(draft.draft.id))
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-            positions=torch.tensor(positions, dtype=torch.long, device=device),
-            query_lens=tuple(query_lens),
-            context_lens=tuple(s + n for s, n in zip(starts, query_lens, strict=True)),
-            logits_indices=torch.tensor(logits_at, dtype=torch.long, device=device),
-        )
-        return batch, page_lists
-
     def _after_forward(self, plan: StepPlan, logits: torch.Tensor) -> None:
         now = time.monotonic()
         logits = logits.cpu()
@@ -508,7 +495,6 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.state = RequestState.DECODING
-        delta = seq.detokenizer.push([token])
         reason = None
         if token in seq.stop_ids:
             reason = FinishReason.STOP
@@ -516,9 +502,7 @@ class Engine:
             len(seq.generated_ids) >= seq.request.max_tokens or len(seq.tokens) >= self.max_context
         ):
             reason = FinishReason.LENGTH
-        if reason is not None:
-            delta += seq.detokenizer.flush()
-        text, hit_stop = self._apply_stop_strings(seq, delta, final=reason is not None)
+        text, hit_stop = token_text(seq, token, final=reason is not None)
         if text:
             seq.text += text
         seq.emit(TokenGenerated(seq.id, text, (token,), now))
@@ -526,30 +510,6 @@ class Engine:
             reason = FinishReason.STOP
         if reason is not None:
             self._finish(seq, reason)
-
-    def _apply_stop_strings(self, seq: Sequence, delta: str, *, final: bool) -> tuple[str, bool]:
-        """Text to emit now; holds back a tail that might be the start of a stop string."""
-        stops = seq.request.stop_strings
-        if not stops:
-            return delta, False
-        pending = seq.pending_text + delta
-        for stop in stops:
-            at = (seq.text[-len(stop) :] + pending).find(stop) if stop else -1
-            if at >= 0:
-                cut = max(0, at - min(len(stop), len(seq.text)))
-                seq.pending_text = ""
-                return pending[:cut], True
-        if final:
-            seq.pending_text = ""
-            return pending, False
-        hold = 0
-        for stop in stops:
-            for k in range(min(len(stop) - 1, len(pending)), 0, -1):
-                if pending.endswith(stop[:k]):
-                    hold = max(hold, k)
-                    break
-        seq.pending_text = pending[len(pending) - hold :] if hold else ""
-        return pending[: len(pending) - hold], False
 
     def _fail_all(self, message: str) -> None:
         """Finish every live request with an error, so no caller waits forever after a bug."""
