@@ -6,8 +6,10 @@ and each service event a JSON line (docs/architecture.md, "Headless events"). `s
 never waits, so replies of different sessions run concurrently as in the TUI; nor
 does `draft` (the user's next message computed ahead while `pause` lets time
 pass, as while a person types); the script's end waits for every reply. Exit
-codes: 0 ok, 1 a reply or the engine failed (every finished reply is still
-printed), 2 a bad script or option.
+codes: 0 ok, 1 a reply, the engine or a save failed (every finished reply is
+still printed; with `--save`, a failed write is an `error` event at once, and
+what could not be stored is written to a recovery file named by a last `error`
+event), 2 a bad script or option.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ from typing import Any, TextIO
 
 from kvchat.chat.engine_port import ChatBackend
 from kvchat.chat.error_log import log_exception
-from kvchat.chat.events import ChatEvent, ReplyDelta, ReplyFinished, SessionFailed
+from kvchat.chat.events import (
+    ChatEvent,
+    ReplyDelta,
+    ReplyFinished,
+    SaveFailed,
+    SessionFailed,
+)
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
 from kvchat.engine.request import SamplingParams
@@ -151,9 +159,22 @@ def run_script(
     )
     runner = _Runner(service, out, stream)
     try:
-        return runner.run(ops)
+        code = runner.run(ops)
     finally:
-        service.close()
+        unsaved = service.close()
+    if unsaved is not None:
+        out.emit(
+            {
+                "event": "error",
+                "message": unsaved.summary(),
+                "line": None,
+                "recovery_file": str(unsaved.path) if unsaved.path else None,
+            }
+        )
+        if unsaved.path is None:
+            (stderr or sys.stderr).write(unsaved.text)
+        return EXIT_FAILED
+    return code
 
 
 class _Runner:
@@ -184,6 +205,16 @@ class _Runner:
         elif isinstance(event, SessionFailed):
             self.failed = True
             self.out.emit({"event": "error", "message": event.message, "line": None})
+        elif isinstance(event, SaveFailed):
+            self.failed = True
+            self.out.emit(
+                {
+                    "event": "error",
+                    "message": f"could not save to the session database: {event.error}; "
+                    f"{event.unsaved_messages} messages wait, retrying",
+                    "line": None,
+                }
+            )
 
     def run(self, ops: list[Op]) -> int:
         for op in ops:

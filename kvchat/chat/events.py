@@ -91,6 +91,23 @@ class DraftChanged:
     total_tokens: int
 
 
+@dataclass(frozen=True)
+class SaveFailed:
+    """Writing to the session database failed; the service keeps what waits and retries.
+
+    Published when a failure starts and when what waits changes; the UI shows it until
+    `SaveRecovered` (what still waits when kvchat stops goes to a recovery file).
+    """
+
+    error: str
+    unsaved_messages: int
+
+
+@dataclass(frozen=True)
+class SaveRecovered:
+    """Writing works again: everything that waited is stored."""
+
+
 ChatEvent = (
     SessionCreated
     | SessionRenamed
@@ -103,4 +120,6 @@ ChatEvent = (
     | ReplyFinished
     | SessionFailed
     | DraftChanged
+    | SaveFailed
+    | SaveRecovered
 )

@@ -3,7 +3,9 @@
 The one code path for conversations: the TUI and the headless mode both drive
 this class. Engine callbacks arrive on the engine thread and are only queued
 there; one worker thread applies them, writes SQLite (write-behind, so neither
-the engine thread nor the UI thread waits on the disk) and calls subscribers.
+the engine thread nor the UI thread waits on the disk; `write_behind.py` keeps
+and retries what the database refuses, and `close` writes what is still unsaved
+to a recovery file) and calls subscribers.
 Commands (`say`, `rename`, ...) may come from any thread; a lock guards the
 sessions and subscribers are always called outside it.
 
@@ -28,6 +30,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from kvchat.chat.drafts import SessionDraft, common_prefix, draft_prompt
 from kvchat.chat.engine_port import EnginePort, RendererPort, Residency
@@ -37,6 +40,8 @@ from kvchat.chat.events import (
     ReplyDelta,
     ReplyFinished,
     ReplyStarted,
+    SaveFailed,
+    SaveRecovered,
     SessionArchived,
     SessionChanged,
     SessionCreated,
@@ -45,6 +50,7 @@ from kvchat.chat.events import (
     SessionNotice,
     SessionRenamed,
 )
+from kvchat.chat.recovery import UnsavedReport, write_recovery
 from kvchat.chat.session import (
     Message,
     MessageState,
@@ -57,6 +63,7 @@ from kvchat.chat.session import (
     session_markdown,
 )
 from kvchat.chat.store import MessageRecord, SessionRecord, Store
+from kvchat.chat.write_behind import WriteBehind
 from kvchat.engine.events import (
     DraftProgress,
     EngineEvent,
@@ -75,6 +82,12 @@ MODEL_CHANGED_NOTICE = (
     "This session was computed with another model: its history will be computed again "
     "at the next turn."
 )
+
+DIVERGED_NOTICE = (
+    "Another kvchat process also wrote to this session: every message of both is saved; "
+    "restart kvchat to see them all here."
+)
+RETRY_SAVE_S = 2.0  # while the database refuses writes, try again this often
 
 Subscriber = Callable[[ChatEvent], None]
 
@@ -147,6 +160,8 @@ class SessionService:
         self._runtime: dict[str, _Runtime] = {}
         self._focused: str | None = None
         self._tasks: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._writes = WriteBehind(store)
+        self._reported: tuple[str, int] | None = None  # the save failure last published
         self._load()
         self._worker = threading.Thread(target=self._work, name="kvchat-sessions", daemon=True)
         self._worker.start()
@@ -170,6 +185,7 @@ class SessionService:
                 ids=record.ids(),
                 ids_stale=record.ids_stale,
             )
+            self._writes.seen(record.id, record.revision)
             for m in message_records:
                 session.messages.append(
                     Message(
@@ -197,8 +213,12 @@ class SessionService:
             self._sessions[session.id] = session
             self._runtime[session.id] = runtime
 
-    def close(self, timeout: float | None = 10.0) -> None:
-        """Cancel live replies, write what is pending, stop the worker, close the store."""
+    def close(self, timeout: float | None = 10.0) -> UnsavedReport | None:
+        """Cancel live replies, write what is pending, stop the worker, close the store.
+
+        Returns None when everything is stored; else what could not be, written to a
+        recovery file in the database's folder (or the temporary folder).
+        """
         with self._lock:
             live = [r.request_id for r in self._runtime.values() if r.request_id is not None]
             live += [r.draft.draft_id for r in self._runtime.values() if r.draft.draft_id]
@@ -211,7 +231,27 @@ class SessionService:
         self.flush(timeout)
         self._tasks.put(None)
         self._worker.join(timeout)
-        self._store.close()
+        report = None
+        if self._writes.has_pending():
+            self._writes.drain()  # a last try: the fault may have cleared
+            folders = [] if self._store.path == ":memory:" else [Path(self._store.path).parent]
+            report = write_recovery(
+                self._writes.pending(), self._store.path, self._writes.error, folders
+            )
+            if report is not None:
+                log.error("unsaved messages at exit: %s", report.summary())
+        with contextlib.suppress(Exception):
+            self._store.close()
+        return report
+
+    @property
+    def save_error(self) -> str | None:
+        """The database's current write failure (None while writes succeed)."""
+        return self._writes.error
+
+    def unsaved_messages(self) -> int:
+        """Messages waiting to be stored (nonzero while the database refuses writes)."""
+        return self._writes.unsaved_messages()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every event and write queued so far has been handled."""
@@ -221,13 +261,41 @@ class SessionService:
 
     def _work(self) -> None:
         while True:
-            task = self._tasks.get()
+            try:
+                task = self._tasks.get(timeout=RETRY_SAVE_S if self._writes.error else None)
+            except queue.Empty:
+                task = self._drain  # the retry of a failed write
             if task is None:
                 return
             try:
                 task()
             except Exception:  # a bug: log it, keep serving the other sessions
                 log.exception("session worker task failed")
+
+    def _drain(self) -> None:
+        """Worker thread: store what waits; tell subscribers when that fails or works again."""
+        if not self._writes.has_pending():
+            return
+        before = self._writes.error
+        result = self._writes.drain()
+        events: list[ChatEvent] = []
+        if result.error is not None:
+            if before is None:
+                log.error("writing the session database failed: %s", result.error)
+            reported = (result.error, result.unsaved_messages)
+            if reported != self._reported:
+                self._reported = reported
+                events.append(SaveFailed(result.error, result.unsaved_messages))
+        elif before is not None:
+            self._reported = None
+            log.warning("writing the session database works again")
+            events.append(SaveRecovered())
+        for session_id in result.diverged:
+            with self._lock:
+                if session_id in self._runtime:
+                    self._runtime[session_id].notice = DIVERGED_NOTICE
+            events.append(SessionNotice(session_id, DIVERGED_NOTICE))
+        self._publish(events)
 
     # ---------------------------------------------------------------- events
 
@@ -347,10 +415,14 @@ class SessionService:
         session: Session,
         messages: Iterable[Message] = (),
         *,
-        truncate_from: int | None = None,
+        removed: Iterable[str] = (),
         extra_ids: Iterable[int] = (),
     ) -> None:
-        """Snapshot now (under the lock), write later on the worker thread."""
+        """Snapshot now (under the lock), write later on the worker thread.
+
+        `messages` are the ones that changed (a new one is appended after every stored
+        message, a new system prompt before them); `removed` are ids to delete.
+        """
         ids = array("I", session.ids)
         ids.extend(extra_ids)
         record = SessionRecord(
@@ -384,8 +456,8 @@ class SessionService:
             )
             for m in messages
         ]
-        store = self._store
-        self._tasks.put(lambda: store.save(record, records, truncate_from=truncate_from))
+        self._writes.add(record, records, list(removed))
+        self._tasks.put(self._drain)
 
     # --------------------------------------------------------------- commands
 
@@ -467,17 +539,19 @@ class SessionService:
         with self._lock:
             session = self._get(session_id)
             self._require_idle(session_id, "change the system prompt")
+            removed: list[str] = []
             if session.system_prompt is not None:
                 if text:
                     session.messages[0].content = text
                 else:
+                    removed.append(session.messages[0].id)
                     del session.messages[0]
             elif text:
                 session.messages.insert(0, _message("system", text))
             session.ids, session.ids_stale = array("I"), True  # cut at 0: render it all
             for m in session.messages:
                 m.offset = None
-            self._touch_and_persist(session, session.messages, truncate_from=0)
+            self._touch_and_persist(session, session.messages, removed=removed)
         self._publish([SessionChanged(session_id)])
 
     def focus(self, session_id: str) -> None:
@@ -568,6 +642,7 @@ class SessionService:
             if session.messages[k - 1].role != "user":
                 raise KvchatError("the last reply does not follow a user message")
             cut_ok = self._cut_ids(session, k)
+            removed = [m.id for m in session.messages[k:]]
             del session.messages[k:]
             if not cut_ok:
                 session.ids = array(
@@ -576,8 +651,10 @@ class SessionService:
                 )
                 session.ids_stale = False
                 _reset_offsets(session.context_messages())
-            self._touch_and_persist(session, session.messages, truncate_from=0)
-            events = self._start_reply(session, _Say(""))
+            session.updated = time.time()
+            events = self._start_reply(
+                session, _Say(""), also=list(session.messages), removed=removed
+            )
         self._publish(events)
 
     def edit_last_user_message(self, session_id: str, text: str) -> None:
@@ -591,9 +668,10 @@ class SessionService:
             k = users[-1]
             saved = (array("I", session.ids), session.ids_stale, list(session.messages))
             self._cut_ids(session, k)
+            removed = [m.id for m in session.messages[k:]]
             del session.messages[k:]
             try:
-                events = self._start_say(session_id, _Say(text), truncate_from=k)
+                events = self._start_say(session_id, _Say(text), removed=removed)
             except BaseException:
                 session.ids, session.ids_stale, session.messages = saved
                 raise
@@ -706,7 +784,7 @@ class SessionService:
             f"(with {reserve} kept for the reply); shorten it or lower max_tokens"
         )
 
-    def _start_say(self, session_id: str, say: _Say, truncate_from: int | None = None) -> list:
+    def _start_say(self, session_id: str, say: _Say, removed: Iterable[str] = ()) -> list:
         """Append the user message and start its reply (lock held). Raises KvchatError."""
         session = self._sessions[session_id]
         draft_events = self._end_draft(session_id)
@@ -722,13 +800,22 @@ class SessionService:
         session.messages.append(user)
         session.ids = array("I", plan.prompt)
         session.ids_stale = False
-        changed = session.messages if (plan.full_render or truncate_from is not None) else [user]
+        changed = list(session.messages) if plan.full_render else [user]
         session.updated = time.time()
-        self._persist(session, changed, truncate_from=0 if truncate_from is not None else None)
-        return draft_events + self._start_reply(session, say)
+        return draft_events + self._start_reply(session, say, also=changed, removed=removed)
 
-    def _start_reply(self, session: Session, say: _Say) -> list:
-        """Submit session.ids as the prompt; the assistant message streams into the store."""
+    def _start_reply(
+        self,
+        session: Session,
+        say: _Say,
+        also: Iterable[Message] = (),
+        removed: Iterable[str] = (),
+    ) -> list:
+        """Submit session.ids as the prompt; the assistant message streams into the store.
+
+        `also` (the user message) is saved in the same transaction as the reply's
+        message, so another process's turn never lands between them.
+        """
         rt = self._runtime[session.id]
         assistant = _message("assistant", "", state=MessageState.STREAMING)
         assistant.offset = len(session.ids)
@@ -739,7 +826,7 @@ class SessionService:
         rt.state = str(RequestState.QUEUED)
         rt.last_save = time.monotonic()
         rt.notice = None
-        self._persist(session, [assistant])
+        self._persist(session, [*also, assistant], removed=removed)
         events: list[ChatEvent] = [ReplyStarted(session.id, assistant.id, rt.turn)]
         request = GenerationRequest(
             prompt_ids=tuple(session.ids),

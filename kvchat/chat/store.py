@@ -7,6 +7,13 @@ every change is one `BEGIN IMMEDIATE` transaction, so a crash or `kill -9`
 leaves the previous consistent state. Token ids are stored as a BLOB of
 `array('I')` (4 bytes a token, native order, with the order recorded).
 
+Two processes may append to one session (each loaded it before the other
+wrote): a message's `seq` is therefore allocated inside the write transaction
+(after every message already stored; a new system prompt before them), a
+removal names the message ids it drops (never a range of seqs that may hold
+another process's turn), and each session row carries a `revision` so a writer
+learns that someone else wrote the session since it last did (`SaveResult`).
+
 A reply is saved while it streams with state `streaming` and its writer's pid;
 opening a store marks the streaming messages whose writer is gone as
 `interrupted`, so a partial reply is kept and shown, never lost or left looking
@@ -62,6 +69,9 @@ _MIGRATIONS: list[str] = [
     );
     CREATE INDEX messages_streaming ON messages(state) WHERE state = 'streaming';
     """,
+    """
+    ALTER TABLE sessions ADD COLUMN revision INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -81,6 +91,7 @@ class SessionRecord:
     ids_stale: bool
     sampling_json: str | None
     max_tokens: int | None
+    revision: int = 0  # bumped by every save; ignored when writing
 
     def ids(self) -> array:
         out = array("I")
@@ -91,7 +102,7 @@ class SessionRecord:
 @dataclass(frozen=True)
 class MessageRecord:
     id: str
-    seq: int
+    seq: int  # the order when loaded; a save allocates it (see the module docstring)
     role: str
     content: str
     state: str
@@ -116,6 +127,12 @@ def _pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return True
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    revision: int  # the session's revision after this save
+    foreign: bool  # another writer saved the session since the revision the caller expected
 
 
 class Store:
@@ -155,13 +172,19 @@ class Store:
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
+            if self._db.in_transaction:  # a failed COMMIT or ROLLBACK left one open
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
+                self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                # the error that matters is the one raised inside; a ROLLBACK that fails
+                # too (disk I/O error) must not hide it
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
                 raise
-            self._db.execute("COMMIT")
 
     def _migrate(self) -> None:
         with self._transaction() as db:  # IMMEDIATE: two processes never migrate at once
@@ -198,22 +221,36 @@ class Store:
         session: SessionRecord,
         messages: Sequence[MessageRecord] = (),
         *,
-        truncate_from: int | None = None,
-    ) -> None:
-        """One transaction: upsert the session row and `messages`, drop seqs >= `truncate_from`."""
+        removed: Sequence[str] = (),
+        expected_revision: int | None = None,
+        ids_stale: bool = False,
+    ) -> SaveResult:
+        """One transaction: upsert the session row and `messages`, delete the `removed` ids.
+
+        A message already stored keeps its seq; a new one goes after every stored message
+        of the session (a system message before them). `expected_revision` is the revision
+        the caller's last save returned (None: it never saved this session); when the row
+        moved on since, the result says `foreign` and the caller's token ids, which do not
+        render the other writer's turns, are stored as stale. `ids_stale` forces that too.
+        """
         byteorder = sys.byteorder
         with self._transaction() as db:
+            row = db.execute("SELECT revision FROM sessions WHERE id = ?", (session.id,)).fetchone()
+            current = None if row is None else int(row[0])
+            foreign = current is not None and current != expected_revision
+            revision = (current or 0) + 1
             db.execute(
                 """INSERT INTO sessions (id, title, created, updated, archived, deleted_at,
-                       model_fingerprint, token_ids, ids_byteorder, ids_stale, sampling, max_tokens)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                       model_fingerprint, token_ids, ids_byteorder, ids_stale, sampling, max_tokens,
+                       revision)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                    ON CONFLICT(id) DO UPDATE SET title = excluded.title,
                        updated = excluded.updated, archived = excluded.archived,
                        deleted_at = excluded.deleted_at,
                        model_fingerprint = excluded.model_fingerprint,
                        token_ids = excluded.token_ids, ids_byteorder = excluded.ids_byteorder,
                        ids_stale = excluded.ids_stale, sampling = excluded.sampling,
-                       max_tokens = excluded.max_tokens""",
+                       max_tokens = excluded.max_tokens, revision = excluded.revision""",
                 (
                     session.id,
                     session.title,
@@ -224,42 +261,59 @@ class Store:
                     session.model_fingerprint,
                     session.token_ids,
                     byteorder,
-                    int(session.ids_stale),
+                    int(session.ids_stale or ids_stale or foreign),
                     session.sampling_json,
                     session.max_tokens,
+                    revision,
                 ),
             )
-            if truncate_from is not None:
-                db.execute(
-                    "DELETE FROM messages WHERE session_id = ? AND seq >= ?",
-                    (session.id, truncate_from),
+            if removed:
+                db.executemany(
+                    "DELETE FROM messages WHERE session_id = ? AND id = ?",
+                    [(session.id, mid) for mid in removed],
                 )
-            db.executemany(
-                """INSERT INTO messages (id, session_id, seq, role, content, state, stats,
-                       id_offset, ended_with_stop, in_context, owner_pid, created)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-                   ON CONFLICT(id) DO UPDATE SET seq = excluded.seq, content = excluded.content,
-                       state = excluded.state, stats = excluded.stats,
-                       id_offset = excluded.id_offset, ended_with_stop = excluded.ended_with_stop,
-                       in_context = excluded.in_context, owner_pid = excluded.owner_pid""",
-                [
-                    (
-                        m.id,
-                        session.id,
-                        m.seq,
-                        m.role,
-                        m.content,
-                        m.state,
-                        m.stats_json,
-                        m.offset,
-                        int(m.ended_with_stop),
-                        int(m.in_context),
-                        m.owner_pid,
-                        m.created,
-                    )
-                    for m in messages
-                ],
-            )
+            for m in messages:
+                values = (
+                    m.content,
+                    m.state,
+                    m.stats_json,
+                    m.offset,
+                    int(m.ended_with_stop),
+                    int(m.in_context),
+                    m.owner_pid,
+                )
+                updated = db.execute(
+                    """UPDATE messages SET content = ?, state = ?, stats = ?, id_offset = ?,
+                           ended_with_stop = ?, in_context = ?, owner_pid = ?
+                       WHERE id = ? AND session_id = ?""",
+                    (*values, m.id, session.id),
+                )
+                if updated.rowcount:
+                    continue
+                low, high = db.execute(
+                    "SELECT MIN(seq), MAX(seq) FROM messages WHERE session_id = ?", (session.id,)
+                ).fetchone()
+                if high is None:
+                    seq = 0
+                elif m.role == "system":
+                    seq = low - 1
+                else:
+                    seq = high + 1
+                db.execute(
+                    """INSERT INTO messages (id, session_id, seq, role, content, state, stats,
+                           id_offset, ended_with_stop, in_context, owner_pid, created)
+                       VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)""",
+                    (m.id, session.id, seq, m.role, *values, m.created),
+                )
+        return SaveResult(revision, foreign)
+
+    def revision(self, session_id: str) -> int | None:
+        """The session row's revision (None: no such row)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT revision FROM sessions WHERE id = ?", (session_id,)
+            ).fetchone()
+        return None if row is None else int(row[0])
 
     def purge_deleted(self, before: float) -> int:
         """Remove for good the sessions soft-deleted before `before` (time.time())."""
@@ -278,7 +332,7 @@ class Store:
         with self._lock:
             sessions = self._db.execute(
                 """SELECT id, title, created, updated, archived, deleted_at, model_fingerprint,
-                          token_ids, ids_byteorder, ids_stale, sampling, max_tokens
+                          token_ids, ids_byteorder, ids_stale, sampling, max_tokens, revision
                    FROM sessions ORDER BY created"""
             ).fetchall()
             out = []
@@ -301,6 +355,7 @@ class Store:
                     ids_stale=bool(row[9]),
                     sampling_json=row[10],
                     max_tokens=row[11],
+                    revision=row[12],
                 )
                 messages = [
                     MessageRecord(

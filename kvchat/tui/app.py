@@ -25,6 +25,10 @@ needs the GIL back for microseconds of Python, and when the UI thread holds it i
 a screen update the engine waits until the interval forces a hand-over (measured:
 docs/tui.md).
 
+A failed write to the session database shows `SaveBanner` until saving works again;
+what is still unsaved at quit is written to a recovery file (`shutdown` keeps its
+report in `unsaved`, `run_tui` prints it and exits 1).
+
 The model loads in a thread worker behind `StartupScreen`; a `KvchatError`
 from it shows `FailedStartScreen`. Every action catches `KvchatError` and shows
 its message as a notification; anything else is logged to the error log and
@@ -59,6 +63,8 @@ from kvchat.chat.events import (
     ReplyDelta,
     ReplyFinished,
     ReplyStarted,
+    SaveFailed,
+    SaveRecovered,
     SessionArchived,
     SessionChanged,
     SessionCreated,
@@ -67,7 +73,8 @@ from kvchat.chat.events import (
     SessionNotice,
     SessionRenamed,
 )
-from kvchat.chat.service import SessionService
+from kvchat.chat.recovery import UnsavedReport
+from kvchat.chat.service import RETRY_SAVE_S, SessionService
 from kvchat.chat.session import MessageView, SessionView
 from kvchat.chat.settings import Settings, save_setting
 from kvchat.chat.store import Store
@@ -78,6 +85,7 @@ from kvchat.tui.backend import BackendFactory, TuiBackend
 from kvchat.tui.composer import Composer
 from kvchat.tui.keys import APP_KEYS, bindings, check_keymap, keys_for
 from kvchat.tui.meters import Meters
+from kvchat.tui.save_banner import SaveBanner
 from kvchat.tui.screens import (
     FailedStartScreen,
     HelpScreen,
@@ -336,6 +344,7 @@ class KvchatApp(App[int]):
         self._residency_due: dict[str, Residency] = {}  # residencies to show at the next tick
         self._themes_ready = False
         self.exit_code = 0
+        self.unsaved: UnsavedReport | None = None  # what `shutdown` could not store
         self._load_themes()
 
     # ------------------------------------------------------------------ layout
@@ -352,9 +361,11 @@ class KvchatApp(App[int]):
         self.transcript = Transcript(id="transcript")
         self.composer = Composer(keymap=self.keymap, id="composer")
         self.meters = Meters(id="meters")
+        self.save_banner = SaveBanner(id="save-banner")
         with Horizontal(id="body"):
             yield self.sidebar
             with Vertical(id="main"):
+                yield self.save_banner
                 yield self.transcript
                 # in a box of its own: a screen update inside the transcript then repaints
                 # the box, not the text area (which restyles itself on every repaint)
@@ -500,9 +511,11 @@ class KvchatApp(App[int]):
             self._unsubscribe = None
         if self.service is not None:
             try:
-                self.service.close()
+                self.unsaved = self.service.close()
             except Exception:
                 log_exception("closing the session service")
+            if self.unsaved is not None:
+                self.exit_code = 1
             self.service = None
         self._close_backend(self.backend)
         self.backend = None
@@ -521,6 +534,13 @@ class KvchatApp(App[int]):
         event = message.event
         service = self.service
         if service is None:
+            return
+        if isinstance(event, SaveFailed):
+            self.save_banner.show_failure(event.error, event.unsaved_messages, RETRY_SAVE_S)
+            return
+        if isinstance(event, SaveRecovered):
+            self.save_banner.clear_failure()
+            self.notify("Saving works again: every message is stored.")
             return
         if isinstance(event, SessionCreated | SessionArchived | SessionDeleted):
             await self.refresh_sessions()

@@ -55,7 +55,9 @@ def require_terminal(
 
 
 def run_tui(args: argparse.Namespace) -> int:
-    """Open the TUI; returns the exit status (1 when kvchat could not start, 2 bad input)."""
+    """Open the TUI; returns the exit status (1 when kvchat could not start, or when
+    messages could not be saved: the path of the file that holds them is printed;
+    2 bad input)."""
     require_terminal()
     configure_error_log()
     settings, problem = read_settings_for_tui()
@@ -64,4 +66,9 @@ def run_tui(args: argparse.Namespace) -> int:
     app = KvchatApp(factory, settings=settings, settings_problem=problem)
     app.run()
     app.shutdown()
+    if app.unsaved is not None:
+        print(f"kvchat: {app.unsaved.summary()}", file=sys.stderr)
+        if app.unsaved.path is None:
+            sys.stderr.write(app.unsaved.text)
+        return 1
     return app.return_code if app.return_code is not None else app.exit_code
