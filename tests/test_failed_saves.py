@@ -98,8 +98,9 @@ def test_a_refused_write_is_reported_and_stored_once_the_database_takes_writes(
         events.wait_for(SaveRecovered)  # the retry, with nothing else written meanwhile
         assert service.save_error is None and service.unsaved_messages() == 0
     finally:
-        assert service.close() is None  # nothing left for a recovery file
+        report = service.close()
         engine.close()
+    assert report is None  # nothing left for a recovery file
     messages = stored(db)["chat"]
     assert [(m[0], m[1]) for m in messages] == [("user", "complete"), ("assistant", "complete")] * 2
     assert messages[2][2] == "second" and messages[3][2] == service.messages(sid)[3].content

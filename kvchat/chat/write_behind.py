@@ -56,6 +56,7 @@ class WriteBehind:
         self._store = store
         self._lock = threading.Lock()
         self._pending: dict[str, PendingSession] = {}
+        self._in_flight: dict[str, PendingSession] = {}  # taken by the drain running now
         self._revisions: dict[str, int] = {}  # drain's thread only (and `seen` before it runs)
         self._diverged: set[str] = set()
         self.error: str | None = None  # the current failure; None while writes succeed
@@ -79,25 +80,30 @@ class WriteBehind:
                 pending.merge(newer)
 
     def pending(self) -> list[PendingSession]:
-        """What is not stored yet (a copy)."""
+        """What is not stored yet (a copy; what a running drain writes included)."""
         with self._lock:
-            return [
-                PendingSession(p.session, dict(p.messages), list(p.removed))
-                for p in self._pending.values()
-            ]
+            out: dict[str, PendingSession] = {}
+            for source in (self._in_flight, self._pending):
+                for session_id, p in source.items():
+                    copy = PendingSession(p.session, dict(p.messages), list(p.removed))
+                    if session_id in out:
+                        out[session_id].merge(copy)
+                    else:
+                        out[session_id] = copy
+            return list(out.values())
 
     def has_pending(self) -> bool:
         with self._lock:
-            return bool(self._pending)
+            return bool(self._pending or self._in_flight)
 
     def unsaved_messages(self) -> int:
-        with self._lock:
-            return sum(len(p.messages) for p in self._pending.values())
+        return sum(len(p.messages) for p in self.pending())
 
     def drain(self) -> DrainResult:
         """Write every pending session, one transaction each; stop at the first failure."""
         with self._lock:
             batch, self._pending = self._pending, {}
+            self._in_flight = dict(batch)
         error: str | None = None
         diverged: list[str] = []
         for session_id, pending in batch.items():
@@ -113,6 +119,8 @@ class WriteBehind:
                 except (sqlite3.Error, OSError) as exc:
                     error = f"{exc} ({type(exc).__name__})"
                 else:
+                    with self._lock:
+                        del self._in_flight[session_id]
                     self._revisions[session_id] = result.revision
                     if result.foreign and session_id not in self._diverged:
                         self._diverged.add(session_id)
@@ -129,3 +137,4 @@ class WriteBehind:
             if newer is not None:
                 pending.merge(newer)
             self._pending[session_id] = pending
+            del self._in_flight[session_id]
