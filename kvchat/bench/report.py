@@ -228,6 +228,55 @@ def _w4(w: dict) -> list[str]:
     ]
 
 
+def _w7(w: dict) -> list[str]:
+    header = ["mode", "TTFT, first turn (s)", "slowest (s)", "prefilled", "from drafts"]
+    rows = []
+    for name, e in w["engines"].items():
+        m = e["median"]
+        rows.append(
+            [
+                name,
+                _f(m["ttft_first_turn_s"], 3),
+                _f(max(m["ttft_per_session_s"]), 3),
+                _f(m["prefilled_tokens"]),
+                _f(m["draft_tokens"]),
+            ]
+        )
+    lines = [
+        f"## W7: paste then ask ({w.get('sessions')} sessions, a "
+        f"{_f(w.get('document_tokens'))}-token document drafted, then a question sent)",
+        "",
+        *_table(header, rows),
+        "",
+        "Replies identical with and without drafts: "
+        + ("yes" if w.get("replies_identical") else "no"),
+    ]
+    for name, e in w.get("interference", {}).get("engines", {}).items():
+        m = e["median"]
+        lines += [
+            "",
+            *_table(
+                [
+                    "interference",
+                    "ITL p99 alone (ms)",
+                    "ITL p99 while drafting (ms)",
+                    "p99 ratio",
+                    "draft ready (tokens)",
+                ],
+                [
+                    [
+                        name,
+                        _f(m["itl_p99_alone_s"] * 1000, 1),
+                        _f(m["itl_p99_drafting_s"] * 1000, 1),
+                        f"{m['p99_ratio']:.2f}x",
+                        f"{_f(m['draft_ready_tokens'])} of {_f(m['draft_tokens'])}",
+                    ]
+                ],
+            ),
+        ]
+    return lines
+
+
 SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "speed": _speed,
     "W1": _w1,
@@ -235,6 +284,7 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "W2": _w2,
     "W3": _w3,
     "W4": _w4,
+    "W7": _w7,
 }
 
 

@@ -133,4 +133,46 @@ def check_targets(results: dict) -> list[Target]:
                 True,
             )
         )
+    targets.extend(_w7_targets(results))
     return targets
+
+
+def _w7_targets(results: dict) -> list[Target]:
+    """Type-ahead: the first turn's TTFT after an 8 s pause, the streams while a draft runs."""
+    out: list[Target] = []
+    w7 = results.get("workloads", {}).get("W7", {})
+    plain = _median(results, "W7", "no draft")
+    drafted = _median(results, "W7", w7.get("long_pause_mode", ""))
+    if plain and drafted:
+        out.append(
+            Target(
+                "W7",
+                f"first-turn TTFT with type-ahead, {w7.get('long_pause_mode')} "
+                "(s; 0.15 or 1/5 of without)",
+                drafted["ttft_first_turn_s"],
+                max(0.15, plain["ttft_first_turn_s"] / 5),
+                False,
+            )
+        )
+    if w7.get("engines") and results.get("model", {}).get("dtype") == "float32":
+        out.append(
+            Target(
+                "W7",
+                "replies identical with and without drafts (1: yes)",
+                float(bool(w7.get("replies_identical"))),
+                1.0,
+                True,
+            )
+        )
+    phase = w7.get("interference", {}).get("engines", {}).get("3 streams + a draft")
+    if phase and phase["median"]["itl_p99_alone_s"]:
+        out.append(
+            Target(
+                "W7",
+                "streams' p99 inter-token latency while a draft runs vs alone (x)",
+                phase["median"]["p99_ratio"],
+                1.1,
+                False,
+            )
+        )
+    return out

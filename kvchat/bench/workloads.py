@@ -29,8 +29,9 @@ from kvchat.bench.machine import (
 )
 from kvchat.bench.peers.base import ChatEngine, ChatPeer, NotApplicable, SpeedPeer, TurnResult
 from kvchat.bench.peers.kvchat import KvchatPeer
+from kvchat.bench.type_ahead import run_w7
 
-WORKLOAD_NAMES = ("speed", "W1", "sweep", "W2", "W3", "W4")
+WORKLOAD_NAMES = ("speed", "W1", "sweep", "W2", "W3", "W4", "W7")
 SERIAL_ONLY = "runs one request at a time, so the streams wait for the whole ingest"
 W4_ONLY = "kvchat's own cache tiers under pressure; the peers have no such tiers"
 
@@ -54,6 +55,11 @@ class BenchPlan:
     w2_tokens: int = 128
     w3_ingest_tokens: int = 4000
     w3_baseline_tokens: int = 160  # each stream, alone, before and again after the ingest
+    w7_doc_tokens: int = 3000  # the pasted document
+    w7_pause_s: float = 8.0  # a 40-character question typed at 5 characters a second
+    w7_short_pause_s: float = 2.0
+    w7_answer_tokens: int = 32
+    w7_window_tokens: int = 400  # streams' tokens at most while the draft is computed
     notes: tuple[str, ...] = ()
 
 
@@ -73,6 +79,11 @@ QUICK = BenchPlan(
     w2_tokens=8,
     w3_ingest_tokens=768,
     w3_baseline_tokens=16,
+    w7_doc_tokens=256,
+    w7_pause_s=0.5,
+    w7_short_pause_s=0.1,
+    w7_answer_tokens=4,
+    w7_window_tokens=24,
 )
 
 
@@ -89,7 +100,8 @@ def make_plan(*, quick: bool, repeats: int | None, context_length: int) -> Bench
         notes.append(f"lengths beyond the model's context ({context_length}) were dropped")
     doc = min(plan.doc_tokens, room - plan.rounds * (plan.answer_tokens + 48))
     ingest = min(plan.w3_ingest_tokens, room)
-    if doc != plan.doc_tokens or ingest != plan.w3_ingest_tokens:
+    pasted = min(plan.w7_doc_tokens, room - 64)  # the question and the template around it
+    if doc != plan.doc_tokens or ingest != plan.w3_ingest_tokens or pasted != plan.w7_doc_tokens:
         notes.append(f"documents were cut to fit the model's context ({context_length})")
     return replace(
         plan,
@@ -98,6 +110,7 @@ def make_plan(*, quick: bool, repeats: int | None, context_length: int) -> Bench
         sweep_lengths=sweep or (max(64, room // 2),),
         doc_tokens=max(32, doc),
         w3_ingest_tokens=max(32, ingest),
+        w7_doc_tokens=max(32, pasted),
         notes=tuple(notes),
     )
 
@@ -459,4 +472,5 @@ WORKLOADS: dict[str, Callable[[BenchContext], dict]] = {
     "W2": run_w2,
     "W3": run_w3,
     "W4": run_w4,
+    "W7": run_w7,
 }

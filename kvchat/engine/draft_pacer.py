@@ -10,8 +10,10 @@ The cost of a chunk is modelled as linear in its length: `per_token` is a moving
 average of (draft step - decode step) / chunk, and the chunk is the most tokens
 that fit in the allowed extra time. When even one token costs more (a slow machine,
 a long context to attend to, the bookkeeping of a step), drafts wait while streams
-run, and one token is tried again only every `PROBE_EVERY` decode steps, so those
-probes are too rare to show in a 99th percentile.
+run, and one token is tried again only every `PROBE_EVERY` decode steps (a probe's
+cost replaces the average: the machine may have changed), so those probes are too
+rare to show in a 99th percentile. A chunk grows at most twice as large as the last
+one that kept to the allowance, so a cost fitted on small chunks is never trusted far.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from __future__ import annotations
 # p99 at most 10%; half of that is left to the machine's noise).
 DRAFT_STEP_SLOWDOWN = 1.05
 AVERAGE_WEIGHT = 0.25  # of the newest draft step in the per-token cost's moving average
-PROBE_EVERY = 400  # decode-only steps between one-token probes while drafts are held back
+PROBE_EVERY = 200  # decode-only steps between one-token probes while drafts are held back
 MAX_CHUNK = 256
+MIN_PER_TOKEN_S = 1e-6  # a step timed faster than the average decode says nothing of the cost
 REFRESH_EVERY = 8  # every this many decode steps, one carries no draft (see `chunk`)
 
 
@@ -31,6 +34,8 @@ class DraftPacer:
         self.per_token_s: float | None = None  # None until a draft step beside streams was seen
         self._since_probe = 0
         self._steps = 0
+        self._cap = 1  # the largest chunk the steps seen so far allow trying
+        self._probing = False
 
     def chunk(self, decode_step_s: float | None) -> int:
         """Draft tokens the next decode step may carry (0: drafts wait this step)."""
@@ -42,12 +47,13 @@ class DraftPacer:
         if self.per_token_s is None:
             return 1
         allowed = (self.slowdown - 1.0) * decode_step_s
-        n = int(allowed / self.per_token_s) if self.per_token_s > 0 else MAX_CHUNK
+        n = min(int(allowed / max(self.per_token_s, MIN_PER_TOKEN_S)), self._cap)
         if n >= 1:
-            return min(n, MAX_CHUNK)
+            return n
         self._since_probe += 1
         if self._since_probe >= PROBE_EVERY:
             self._since_probe = 0
+            self._probing = True
             return 1
         return 0
 
@@ -56,7 +62,14 @@ class DraftPacer:
         if decode_step_s is None or tokens <= 0:
             return
         cost = max(0.0, seconds - decode_step_s) / tokens
-        if self.per_token_s is None:
+        if self.per_token_s is None or self._probing:  # a probe measures afresh
+            self._probing = False
             self.per_token_s = cost
         else:
             self.per_token_s += AVERAGE_WEIGHT * (cost - self.per_token_s)
+        # grow the chunk only from one that kept to the allowance (a cost model fitted on
+        # small chunks must not jump to a large one at once)
+        if seconds <= self.slowdown * decode_step_s:
+            self._cap = min(MAX_CHUNK, max(self._cap, 2 * tokens))
+        else:
+            self._cap = max(1, tokens // 2)

@@ -34,6 +34,8 @@ class TurnResult:
     new_tokens: int  # prompt tokens not in the session's previous prompt + reply
     generated_tokens: int
     engine_ttft_s: float | None = None  # the engine's own submit -> first token, when it has one
+    draft_tokens: int = 0  # prompt tokens served from pages drafts computed (kvchat only)
+    text: str = ""  # the reply
 
 
 @dataclass(frozen=True)

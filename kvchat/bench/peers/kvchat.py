@@ -92,6 +92,17 @@ class KvchatChat:
         self.sessions.append(session_id)
         return session_id
 
+    def draft(self, session: object, text: str) -> None:
+        """The user's unsent message, computed ahead (type-ahead) while `pause` steps."""
+        self.service.draft(str(session), text)
+
+    def pause(self, seconds: float) -> None:
+        """Let `seconds` pass as a person typing would, stepping the engine meanwhile."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if not self.engine.step():
+                time.sleep(0.0005)
+
     def turn(self, session: object, text: str, max_tokens: int) -> TurnResult:
         sid = str(session)
         before = len(self.service.token_ids(sid))  # previous prompt + its reply
@@ -131,6 +142,8 @@ class KvchatChat:
             new_tokens=stats.prompt_tokens - before,
             generated_tokens=stats.generated_tokens,
             engine_ttft_s=stats.ttft_s,
+            draft_tokens=stats.draft_tokens,
+            text=event.text,
         )
 
     def working_set_tokens(self) -> list[int]:
