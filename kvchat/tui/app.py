@@ -54,12 +54,13 @@ from textual.command import SimpleCommand
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Footer
+from textual.widgets import Footer, TextArea
 
 from kvchat.chat.engine_port import Residency
 from kvchat.chat.error_log import log_exception
 from kvchat.chat.events import (
     ChatEvent,
+    DraftChanged,
     ReplyDelta,
     ReplyFinished,
     ReplyStarted,
@@ -96,6 +97,7 @@ from kvchat.tui.sidebar import SessionList, SessionRow
 from kvchat.tui.stream_buffer import StreamBuffer
 from kvchat.tui.themes import DEFAULT_THEME, load_themes
 from kvchat.tui.transcript import Transcript
+from kvchat.tui.type_ahead import DraftTimer, ready_label
 
 FLUSH_HZ = 20
 GIL_SWITCH_INTERVAL_S = 0.001  # while the app runs (see the module docstring)
@@ -331,6 +333,7 @@ class KvchatApp(App[int]):
         self.serving = False  # True once start-up is over: sessions listed, the composer focused
         self.current: str | None = None
         self.buffer = StreamBuffer()
+        self.draft_timer = DraftTimer()  # when the composer's text is computed ahead
         self.undo_stack: list[tuple[str, str]] = []  # (archive|delete, session id)
         self.show_archived = False
         self.views: dict[str, SessionView] = {}
@@ -535,6 +538,10 @@ class KvchatApp(App[int]):
         service = self.service
         if service is None:
             return
+        if isinstance(event, DraftChanged):
+            if event.session_id == self.current:
+                self.composer.border_subtitle = ready_label(event.ready_tokens, event.total_tokens)
+            return
         if isinstance(event, SaveFailed):
             self.save_banner.show_failure(event.error, event.unsaved_messages, RETRY_SAVE_S)
             return
@@ -617,6 +624,8 @@ class KvchatApp(App[int]):
                     rows[session_id].set_residency(residency)
         if time.monotonic() - self._meters_at >= 1 / METERS_HZ:
             self._tick_meters()
+        if self.draft_timer.pending:
+            self._draft_if_due()
         await self._flush_replies()
 
     async def _flush_replies(self) -> None:
@@ -684,6 +693,10 @@ class KvchatApp(App[int]):
 
     async def switch_to(self, session_id: str | None) -> None:
         """Render the chosen session at once from the service's snapshot; prefetch in a thread."""
+        if self.current is not None and self.current != session_id and self.service is not None:
+            self._end_draft(self.service, self.current)  # its pages stay cached
+            self.composer.border_subtitle = None
+            self.draft_timer.edited(time.monotonic())  # the text now drafts into this session
         self.current = session_id
         self.sidebar.set_current(session_id)
         self.composer.set_editing(False)
@@ -698,6 +711,31 @@ class KvchatApp(App[int]):
     def _focus_session(self, service: SessionService, session_id: str) -> None:
         with contextlib.suppress(KvchatError):  # deleted meanwhile
             service.focus(session_id)  # clears unread, tells the engine to prefetch its pages
+
+    # ------------------------------------------------------------- type-ahead
+
+    def on_text_area_changed(self, event: TextArea.Changed) -> None:
+        if event.text_area is self.composer:
+            self.draft_timer.edited(time.monotonic())
+
+    def _draft_if_due(self) -> None:
+        """The composer's text as the current session's draft, once typing paused (or grew)."""
+        if self.service is None or self.current is None or self.composer.editing:
+            return
+        text = self.composer.text
+        if self.draft_timer.due(time.monotonic(), len(text)):
+            self._send_draft(self.service, self.current, text.strip())
+
+    @work(thread=True, exit_on_error=False, group="draft")
+    def _send_draft(self, service: SessionService, session_id: str, text: str) -> None:
+        # rendering and tokenizing a pasted document takes milliseconds: not on the UI thread
+        with contextlib.suppress(KvchatError):  # deleted meanwhile
+            service.draft(session_id, text)
+
+    @work(thread=True, exit_on_error=False, group="draft")
+    def _end_draft(self, service: SessionService, session_id: str) -> None:
+        with contextlib.suppress(KvchatError):
+            service.end_draft(session_id)
 
     def _update_title(self) -> None:
         view = self.views.get(self.current) if self.current else None
@@ -728,7 +766,8 @@ class KvchatApp(App[int]):
             self.service.edit_last_user_message(session_id, text)
             self.composer.set_editing(False)
         else:
-            self.service.say(session_id, text)
+            self.service.say(session_id, text)  # ends the session's draft, keeping its pages
+            self.draft_timer.reset()
             view = self.views.get(session_id)
             if view is not None and view.title == NEW_TITLE:
                 self.service.rename(session_id, _title_from(text))
