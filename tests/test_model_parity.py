@@ -84,9 +84,11 @@ def test_tiny_model_bf16_error_within_transformers_own(tmp_path, family):
     assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
 
 
-@pytest.fixture(scope="module")
-def default_fp32(default_gguf_path):
-    return load_model(str(default_gguf_path), dtype="float32", device="cpu", weights="bf16")
+@pytest.fixture(scope="module", params=["native", "bf16"])
+def default_fp32(request, default_gguf_path):
+    """The default model in float32 under each `--weights` mode: "native" keeps the 4-bit
+    layers 4-bit (the GGUF's scales and offsets in float32), "bf16" dequantizes them."""
+    return load_model(str(default_gguf_path), dtype="float32", device="cpu", weights=request.param)
 
 
 @pytest.fixture(scope="module")

@@ -55,13 +55,13 @@ async def test_sessions_stream_switch_stop_regenerate_fork_archive_and_attach(tm
         for _ in range(3):
             await pilot.press("ctrl+n")
         await wait_until(pilot, lambda: len(app.sidebar.order) == 3, what="three sessions")
-        third, second, first = app.sidebar.order  # newest first
+        first, second, third = app.sidebar.order  # creation order, numbered 1, 2, 3
         assert app.current == third
 
         # send in two sessions; both stream at once (the engine holds them mid-reply)
         await type_and_send(pilot, "alpha")
         await wait_until(pilot, lambda: service.session(third).state != "idle", what="alpha starts")
-        await pilot.press("alt+down")
+        await pilot.press("alt+up")
         assert app.current == second
         await type_and_send(pilot, "beta")
         engine.advance(4)
@@ -78,7 +78,7 @@ async def test_sessions_stream_switch_stop_regenerate_fork_archive_and_attach(tm
         assert app.sidebar.rows()[second].view.title == "beta"
 
         # switch while both stream: the other session renders at once, its text so far
-        await pilot.press("ctrl+pageup")
+        await pilot.press("ctrl+pagedown")
         assert app.current == third
         assert [t[0] for t in transcript_texts(app)] == ["user", "assistant"]
         assert transcript_texts(app)[0][2] == "alpha"
@@ -158,7 +158,7 @@ async def test_hidden_session_finishes_and_every_token_reaches_the_transcript():
         await wait_until(pilot, lambda: app.current != visible)
         hidden = app.current
         await type_and_send(pilot, "two")
-        await pilot.press("alt+2")
+        await pilot.press("alt+1")
         assert app.current == visible
         for _ in range(60):
             engine.advance(1)
@@ -303,7 +303,7 @@ async def test_bad_settings_are_reported_and_keys_remap_by_id():
         await pilot.press("ctrl+n")
         await pilot.press("ctrl+n")
         await wait_until(pilot, lambda: len(app.sidebar.order) == 2)
-        newest, older = app.sidebar.order
+        older, newest = app.sidebar.order
         assert app.current == newest
         await pilot.press("ctrl+right")
         assert app.current == older

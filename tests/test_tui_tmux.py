@@ -147,9 +147,9 @@ def test_type_stream_switch_quit_and_restore(tmp_path, tiny_llama_dir, terminals
     term.type("second chat")
     term.wait(lambda s: "Assistant" in s, "the second reply starting")  # not just typed
     term.wait(lambda s: "second chat" in s and replies_done(s, 2), "the second reply to end")
-    term.keys("M-Down")  # alt+down: the next (older) session
+    term.keys("M-Up")  # alt+up: the previous (older) session
     term.wait(lambda s: "╭─ hello there ─" in s, "switch to the first session")
-    term.keys("C-PPage")  # ctrl+pageup: back to the newer one
+    term.keys("C-NPage")  # ctrl+pagedown: back to the newer one
     term.wait(lambda s: "╭─ second chat ─" in s, "switch back")
     term.keys("C-q")
     term.wait_text("KVCHAT-EXITED-0")
@@ -181,3 +181,23 @@ def test_kill_during_a_reply_keeps_the_partial_reply_marked_interrupted(
     assert "Assistant · interrupted" in screen
     again.keys("C-q")
     again.wait_text("KVCHAT-EXITED-0")
+
+
+def test_alt_digit_switches_sessions_in_tmux(tmp_path, tiny_llama_dir, terminals):
+    """tmux sends alt+N as ESC N (the meta-sends-escape form screen and xterm use too);
+    it must switch to session N, never type a character into the composer."""
+    term = terminals(tmp_path / "home", tiny_llama_dir, "--max-tokens", "4")
+    ready(term)
+    for n, name in enumerate(("first chat", "second chat", "third chat"), 1):
+        if n > 1:
+            term.keys("C-n")
+            term.wait_text("Type a message below")
+        term.type(name)
+        term.wait(lambda s, name=name, n=n: f"╭─ {name} ─" in s and replies_done(s, n), name)
+    for digit, name in (("1", "first chat"), ("3", "third chat"), ("2", "second chat")):
+        term.keys(f"M-{digit}")
+        screen = term.wait(lambda s, name=name: f"╭─ {name} ─" in s, f"alt+{digit}: {name}")
+    for mac_character in "¡™£":
+        assert mac_character not in screen
+    term.keys("C-q")
+    term.wait_text("KVCHAT-EXITED-0")

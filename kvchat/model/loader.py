@@ -30,6 +30,7 @@ from kvchat.paths import app_paths
 
 Progress = Callable[[str], None]
 CONVERSION_VERSION = 1  # bump when the converted folder's layout changes
+NATIVE_CACHE_VERSION = 2  # bump when the prepared 4-bit layers change (2: float32 head dense)
 
 
 @dataclass
@@ -95,7 +96,10 @@ def load_model(
     config = ModelConfig.from_file(folder / "config.json")
     tokenizer = Tokenizer.from_folder(folder)
     progress(f"Loading {source.name} ({dtype_name(torch_dtype)} on {dev.type})...")
-    tensors: dict = dict(read_tensors(folder, torch_dtype, dev))
+    # a converted folder holds one weights file per dtype and the prepared 4-bit caches:
+    # read only this dtype's weights
+    files = [folder / f"model-{dtype_name(torch_dtype)}.safetensors"] if source.is_file() else None
+    tensors: dict = dict(read_tensors(folder, torch_dtype, dev, files=files))
     if source.is_file() and weights == "native" and dev.type == "cpu":
         quantized = _native_quantized(source, folder, config, torch_dtype, tensors, progress)
         if quantized:
@@ -129,7 +133,7 @@ def _native_quantized(source, folder, config, dtype, tensors, progress) -> dict:
     from kvchat.model.gguf_weights import quantized_linears
     from kvchat.model.quantized_linear import load_linears, save_linears
 
-    cache = folder / f"native-q4-{dtype_name(dtype)}.safetensors"
+    cache = folder / f"native-q4-v{NATIVE_CACHE_VERSION}-{dtype_name(dtype)}.safetensors"
     if cache.exists():
         try:
             return load_linears(cache)

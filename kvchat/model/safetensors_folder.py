@@ -41,9 +41,10 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def read_tensors(
-    folder: Path, dtype: torch.dtype, device: torch.device
+    folder: Path, dtype: torch.dtype, device: torch.device, files: list[Path] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in weight_files(folder):
+    """Every tensor of the folder's weights (or of `files` only), in `dtype` on `device`."""
+    for path in files if files is not None else weight_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict

@@ -84,7 +84,13 @@ from kvchat.errors import KvchatError
 from kvchat.paths import app_paths
 from kvchat.tui.backend import BackendFactory, TuiBackend
 from kvchat.tui.composer import Composer
-from kvchat.tui.keys import APP_KEYS, bindings, check_keymap, keys_for
+from kvchat.tui.keys import (
+    APP_KEYS,
+    bindings,
+    check_keymap,
+    install_meta_digit_keys,
+    keys_for,
+)
 from kvchat.tui.meters import Meters
 from kvchat.tui.save_banner import SaveBanner
 from kvchat.tui.screens import (
@@ -317,6 +323,7 @@ class KvchatApp(App[int]):
         user_themes_dir: Path | None = None,
     ) -> None:
         super().__init__()
+        install_meta_digit_keys()  # alt+1..9 in tmux and screen (see the function)
         self._switch_interval_before = sys.getswitchinterval()  # restored at unmount
         self.settings = settings or Settings()
         self.backend_factory = backend_factory
@@ -549,6 +556,8 @@ class KvchatApp(App[int]):
             self.save_banner.clear_failure()
             self.notify("Saving works again: every message is stored.")
             return
+        if isinstance(event, ReplyFinished):
+            self.meters.turn_finished(event.session_id)  # its figures are this run's
         if isinstance(event, SessionCreated | SessionArchived | SessionDeleted):
             await self.refresh_sessions()
             return
@@ -589,7 +598,7 @@ class KvchatApp(App[int]):
         await self.sidebar.set_sessions(views)
         if self.current not in self.views:
             order = self.sidebar.order
-            await self.switch_to(order[0] if order else None)
+            await self.switch_to(order[-1] if order else None)  # the newest
         else:
             self.sidebar.set_current(self.current)
         self._request_residency(all_sessions=True)

@@ -9,9 +9,11 @@ session switching has two pairs because many terminals keep one pair for tabs.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from textual import _ansi_sequences
 from textual.binding import Binding
 
 
@@ -60,7 +62,43 @@ def bindings(specs: tuple[KeySpec, ...], *, priority: bool = False) -> list[Bind
 
 
 def check_keymap(keys: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
-    """The settings' `[keys]` split into a usable keymap and one problem line per bad entry."""
+    """The settings' `[keys]` split into a usable keymap and one problem line per bad entry.
+
+    A remap onto a key another binding has (`quit = "ctrl+n"`) is refused and reported:
+    taken silently, it would remove that other action from the keyboard.
+    """
+    keymap, problems = _known_entries(keys)
+    specs = {s.id: s for s in ALL_KEYS}
+    # keys held by the bindings the user leaves alone, then by each accepted remap in turn
+    taken: dict[str, str] = {}
+    for spec in ALL_KEYS:
+        if spec.id not in keymap:
+            for key in _split(spec.keys):
+                taken.setdefault(key, spec.id)
+    for binding_id, key_list in list(keymap.items()):
+        clashes = [
+            (k, taken[k]) for k in _split(key_list) if taken.get(k, binding_id) != binding_id
+        ]
+        if clashes:
+            key, other = clashes[0]
+            del keymap[binding_id]
+            problems.append(
+                f'[keys] {binding_id} = "{key_list}": {key} is already the key of {other} '
+                f"({specs[other].description}); {binding_id} keeps "
+                f"{specs[binding_id].keys}. Choose a free key, or move {other} too."
+            )
+            key_list = specs[binding_id].keys
+        for key in _split(key_list):
+            taken.setdefault(key, binding_id)
+    return keymap, problems
+
+
+def _split(keys: str) -> list[str]:
+    return [part.strip() for part in keys.split(",") if part.strip()]
+
+
+def _known_entries(keys: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Entries naming a known binding and at least one key; a problem line for the others."""
     keymap: dict[str, str] = {}
     problems: list[str] = []
     for binding_id, key in keys.items():
@@ -83,3 +121,21 @@ def keys_for(binding_id: str, keymap: Mapping[str, str]) -> str:
     if binding_id in keymap:
         return keymap[binding_id]
     return next(s.keys for s in ALL_KEYS if s.id == binding_id)
+
+
+# alt+0..alt+9 as the key names Textual binds; a str enum like Textual's own `Keys`
+MetaDigit = enum.Enum("MetaDigit", {f"ALT_{d}": f"alt+{d}" for d in "0123456789"}, type=str)
+
+
+def install_meta_digit_keys() -> None:
+    """Read ESC followed by a digit as alt+digit.
+
+    Why: tmux, screen, xterm with metaSendsEscape and kitty's legacy mode send alt+2
+    as ESC 2 (the "meta sends escape" form). Textual maps exactly these sequences to the
+    characters macOS types for Option+digit ("¡", "™", ...), for WezTerm on macOS, so in
+    tmux alt+1..9 typed "¡™" into the composer instead of switching sessions. kvchat binds
+    alt+digit, so the escape form becomes that key. A character typed as such (a Spanish
+    keyboard's "¡") is not an escape sequence and still types itself.
+    """
+    for digit in "0123456789":
+        _ansi_sequences.ANSI_SEQUENCES_KEYS[f"\x1b{digit}"] = (MetaDigit[f"ALT_{digit}"],)

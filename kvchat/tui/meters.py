@@ -23,6 +23,21 @@ from kvchat.tui.repaint import same_content, update_static
 
 BAR_WIDTH = 14
 SPARK_POINTS = 40
+HELP = """Cache meters (right panel):
+  Hit rate      the share of prompt tokens served from the KV cache instead of computed:
+                for the shown session's last turn, and overall since kvchat started
+  Pages         each tier's pages: █ active (held by a running reply), ▓ cached (kept
+                for reuse), ░ free; the figures below the bar are active/cached/free;
+                "off" when the tier is turned off
+  Evictions     pages pushed out since start: to host (device to host tier), dropped
+                (gone from every tier: computed again if needed); then the rate per
+                second now, and its recent history as a sparkline
+  TTFT          time to the first token of the shown session's last turn
+  Decode tok/s  all: tokens a second over every session in the last few seconds;
+                this: the shown session's reply as it streams, or its last turn's rate
+  —             no figure yet (nothing measured since kvchat started)
+Figures of turns from before this start are not shown: they would describe a cache
+that no longer exists."""
 
 
 def tier_bar(pages: TierPages | None, width: int = BAR_WIDTH) -> Content:
@@ -60,6 +75,8 @@ class Meters(Vertical):
         self.eviction_rates: deque[float] = deque([0.0] * SPARK_POINTS, maxlen=SPARK_POINTS)
         self.values: dict[str, str] = {}  # label -> the text shown (tests read it)
         self._shown: dict[str, Content | str] = {}
+        self._finished_here: set[str] = set()  # sessions with a turn finished in this run
+        self._reply_rates: dict[str, str] = {}  # session -> its streaming rate last shown
 
     def compose(self) -> ComposeResult:
         self.fields = {
@@ -70,7 +87,7 @@ class Meters(Vertical):
         self.sparkline = Sparkline(list(self.eviction_rates), id="meter-eviction-rate")
         yield Label("Hit rate", classes="meter-label")
         yield self.fields["hit-rate"]
-        yield Label("Pages (active/cached/free)", classes="meter-label")
+        yield Label("Pages █ active ▓ cached ░ free", classes="meter-label")
         yield self.fields["pages"]
         yield Label("Evictions", classes="meter-label")
         yield self.fields["evictions"]
@@ -88,13 +105,20 @@ class Meters(Vertical):
         self.values[name] = content.plain if isinstance(content, Content) else content
         update_static(self.fields[name], content)
 
+    def turn_finished(self, session_id: str) -> None:
+        """A turn of this session ended in this run: its last-turn figures are current."""
+        self._finished_here.add(session_id)
+        self._reply_rates.pop(session_id, None)
+
     def update_meters(
         self,
         stats: EngineStats,
         view: SessionView | None,
         session_rate: float | None,
     ) -> None:
-        last = view.last_turn if view is not None else None
+        # a turn stored by an earlier run describes a cache that no longer exists
+        fresh = view is not None and view.id in self._finished_here
+        last = view.last_turn if view is not None and fresh else None
         last_hit = last.hit_rate if last is not None and last.prompt_tokens else None
         overall = stats.hit_rate if stats.prompt_tokens else None
         self._set("hit-rate", f"last turn {_pct(last_hit)}   overall {_pct(overall)}")
@@ -129,10 +153,22 @@ class Meters(Vertical):
 
         ttft = last.ttft_s if last is not None else None
         self._set("ttft", "—" if ttft is None else f"{ttft * 1000:,.0f} ms")
-        this = session_rate
-        if this is None and view is not None and view.state == "idle" and last is not None:
-            this = last.decode_tok_s
-        self._set("decode", f"all {_rate(stats.decode_tok_s)}   this {_rate(this)}")
+        overall_rate = _rate(stats.decode_tok_s or None)  # 0: nothing decoded lately
+        self._set("decode", f"all {overall_rate}   this {self._this_rate(view, session_rate)}")
+
+    def _this_rate(self, view: SessionView | None, session_rate: float | None) -> str:
+        """The shown session's rate: live while it streams (the last figure between two
+        samples, its state before the first token), else its last turn's of this run."""
+        if view is None:
+            return "—"
+        if view.state == "idle":
+            last = view.last_turn if view.id in self._finished_here else None
+            return _rate(last.decode_tok_s if last is not None else None)
+        if session_rate is not None:
+            self._reply_rates[view.id] = _rate(session_rate)
+        elif view.state != "decoding":
+            return view.state  # queued, prefilling, preempted: no tokens yet
+        return self._reply_rates.get(view.id, "starting")
 
     def set_cache_note(self, text: str) -> None:
         self._set("cache", text)

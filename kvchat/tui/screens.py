@@ -19,6 +19,8 @@ from textual.widgets import Input, Label, LoadingIndicator, Log, Static, TextAre
 from kvchat.paths import app_paths
 from kvchat.tui.composer import Composer
 from kvchat.tui.keys import ALL_KEYS, keys_for
+from kvchat.tui.meters import HELP as METERS_HELP
+from kvchat.tui.sidebar import HELP as SIDEBAR_HELP
 
 
 class StartupScreen(Screen[None]):
@@ -124,7 +126,8 @@ class TextDialog(ModalScreen[str | None]):
 
 
 class HelpScreen(ModalScreen[None]):
-    """Every key (as remapped by the settings file) and where kvchat keeps its files."""
+    """Every key (as remapped by the settings file), what each glyph and figure on screen
+    means, and where kvchat keeps its files."""
 
     BINDINGS: ClassVar[list[Binding]] = [Binding("escape,f1,q", "dismiss", "Close", priority=True)]
 
@@ -140,7 +143,7 @@ class HelpScreen(ModalScreen[None]):
             'next_session = "ctrl+right"):\n\n'
             + "\n".join(rows)
             + "\n\nThe command palette (ctrl+p) has every action, plus export, fork, "
-            "system prompt, sampling and theme.\n\n"
+            "system prompt, sampling and theme.\n\n" + SIDEBAR_HELP + "\n\n" + METERS_HELP + "\n\n"
             f"Settings: {paths.settings_file}\nThemes:   {paths.themes_dir}\n"
             f"Sessions: {paths.database}\nErrors:   {paths.error_log}"
         )

@@ -3,8 +3,9 @@
 Why rows are updated in place: sessions change state many times a second while
 they stream; rebuilding the list would flicker and lose the scroll position.
 Rows are rebuilt only when sessions appear or disappear. The order is by
-creation (newest first) so that alt+1..9 keep pointing at the same sessions
-while they stream.
+creation, oldest first, and a row's number is its place in that order: a new
+session takes the next number at the bottom, so alt+1..9 keep pointing at the
+same sessions when others are created or stream.
 
 Why a row compares before it repaints: the app refreshes busy sessions' rows 4
 times a second, but what a row shows changes far less often (the context
@@ -28,6 +29,16 @@ from kvchat.chat.session import SessionView
 from kvchat.tui.repaint import update_static
 
 BAR_WIDTH = 16
+# Under the list (the sidebar's border subtitle); the help screen explains it in full.
+LEGEND = "█ device ▓ host ░ not cached"
+HELP = """Sidebar, one row a session:
+  N ● Title     N is the session's number (alt+N shows it; numbers follow creation
+                order and never change when a session is created); ● unread reply
+  state         idle, queued, prefilling, decoding or preempted (+N: messages waiting)
+  ████▓▓░░ ctx  where the session's history lives in the KV cache, in proportion to
+                its tokens: █ on the compute device (instant), ▓ in the host tier
+                (copied back, fast), ░ in no tier (computed again at the next turn);
+                ctx N% is how full the model's context is with this session's history"""
 
 
 def residency_bar(residency: Residency | None, width: int = BAR_WIDTH) -> Content:
@@ -121,13 +132,14 @@ class SessionRow(Static):
 
 
 class SessionList(VerticalScroll):
-    """The rows, newest first; `current` is highlighted."""
+    """The rows in creation order (oldest first, numbered from 1); `current` is highlighted."""
 
     can_focus = False
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.border_title = "Sessions"
+        self.border_subtitle = LEGEND
         self.current: str | None = None
         self.order: list[str] = []
         self._rows: dict[str, SessionRow] = {}  # kept, not queried: rows update 4 times a second
@@ -137,7 +149,7 @@ class SessionList(VerticalScroll):
 
     async def set_sessions(self, views: Sequence[SessionView]) -> None:
         """Rebuild when the set of sessions changed; else update the rows in place."""
-        ordered = sorted(views, key=lambda v: v.created, reverse=True)
+        ordered = sorted(views, key=lambda v: (v.created, v.id))
         ids = [v.id for v in ordered]
         if ids == self.order:
             for i, view in enumerate(ordered, 1):

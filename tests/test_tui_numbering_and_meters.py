@@ -1,0 +1,142 @@
+"""Sessions keep their numbers, the screen explains its glyphs, meters show only this run's
+figures, and a key remapped onto another action's key is refused and reported."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from kvchat.chat.session import CachedTokens, TurnStats
+from kvchat.chat.settings import Settings
+from kvchat.chat.store import MessageRecord, SessionRecord, Store
+from kvchat.tui.keys import check_keymap
+from kvchat.tui.screens import HelpScreen
+from kvchat.tui.sidebar import LEGEND
+from tests.tui_helpers import fake_app, ready, wait_until
+
+SIZE = (150, 45)
+
+
+def row_number(app, session_id: str) -> str:
+    return app.sidebar.rows()[session_id].render().plain.split()[0]
+
+
+async def test_a_new_session_takes_the_next_number_and_never_renumbers_the_others():
+    app, _ = fake_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        created = []
+        for n in range(1, 4):
+            await pilot.press("ctrl+n")
+            await wait_until(pilot, lambda n=n: len(app.sidebar.order) == n, what=f"{n} rows")
+            created.append(app.current)
+            assert [row_number(app, s) for s in created] == [str(i) for i in range(1, n + 1)]
+        await pilot.press("alt+1")
+        assert app.current == created[0]
+        await pilot.press("alt+3")
+        assert app.current == created[2]
+
+
+async def test_the_sidebar_has_a_legend_and_help_explains_every_glyph_and_figure():
+    app, _ = fake_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        assert app.sidebar.border_subtitle == LEGEND
+        for glyph in "█▓░":
+            assert glyph in LEGEND
+        await pilot.press("f1")
+        await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen), what="help")
+        text = "\n".join(str(s.render()) for s in app.screen.query("Static"))
+        for words in (
+            "█ on the compute device",
+            "▓ in the host tier",
+            "░ in no tier",
+            "ctx N%",
+            "● unread",
+            "█ active",
+            "▓ cached",
+            "░ free",
+            "active/cached/free",
+            "Hit rate",
+            "Evictions",
+            "TTFT",
+            "all: tokens a second",
+            "this: the shown session",
+            "—",
+        ):
+            assert words in text, words
+
+
+def stored_session_with_a_finished_turn(path) -> None:
+    store = Store(path)
+    now = time.time() - 3600
+    stats = TurnStats("stop", 40, CachedTokens(30, 0, 0), 10, 0, 5, 0.25, 27.0)
+    store.save(
+        SessionRecord("s1", "earlier", now, now, False, None, "fake-model", b"", True, None, None),
+        [
+            MessageRecord("m1", 0, "user", "hi", "complete", None, 0, False, True, None, now),
+            MessageRecord(
+                "m2",
+                1,
+                "assistant",
+                "hello",
+                "complete",
+                json.dumps(stats.to_json()),
+                None,
+                False,
+                True,
+                None,
+                now,
+            ),
+        ],
+    )
+    store.close()
+
+
+async def test_meters_show_no_figures_of_a_turn_from_before_this_start(tmp_path):
+    stored_session_with_a_finished_turn(tmp_path / "db.sqlite3")
+    app, engine = fake_app(store=Store(tmp_path / "db.sqlite3"), manual=True, tokens_per_reply=8)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        await wait_until(pilot, lambda: app.current == "s1", what="the stored session")
+        await wait_until(pilot, lambda: "decode" in app.meters.values, what="meters")
+        values = app.meters.values
+        assert values["hit-rate"].startswith("last turn —")
+        assert values["ttft"] == "—"
+        assert values["decode"] == "all —   this —", values["decode"]
+
+        # a new turn: while it streams, "this" is never "—"; once done, its figures show
+        await pilot.press(*"again")
+        await pilot.press("enter")
+        seen: list[str] = []
+        await wait_until(pilot, lambda: app.service.session("s1").state != "idle", what="sent")
+        for _ in range(12):
+            engine.advance(1)
+            await pilot.pause()
+            app._tick_meters()
+            if app.service.session("s1").state != "idle":
+                seen.append(app.meters.values["decode"])
+        await wait_until(pilot, lambda: app.service.session("s1").state == "idle", what="done")
+        await wait_until(pilot, lambda: app.meters.values["ttft"] != "—", what="this turn's TTFT")
+        assert seen and all(not v.endswith("this —") for v in seen), seen
+        assert not app.meters.values["hit-rate"].startswith("last turn —")
+
+
+async def test_a_key_remapped_onto_another_actions_key_is_refused_and_reported():
+    app, _ = fake_app(settings=Settings(keys={"quit": "ctrl+n"}))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        texts = [n.message for n in app._notifications]
+        assert any("quit" in t and "ctrl+n" in t and "new_session" in t for t in texts), texts
+        await pilot.press("ctrl+n")  # still a new session, not quit
+        await wait_until(pilot, lambda: len(app.sidebar.order) == 1, what="a new session")
+        assert app.is_running
+
+
+def test_check_keymap_refuses_clashes_and_accepts_swaps():
+    keymap, problems = check_keymap({"help": "f2"})
+    assert keymap == {} and "f2 is already the key of rename" in problems[0]
+    keymap, problems = check_keymap({"stop": "enter"})
+    assert keymap == {} and "send" in problems[0]
+    keymap, problems = check_keymap({"quit": "ctrl+x", "new_session": "ctrl+q"})
+    assert keymap == {"quit": "ctrl+x", "new_session": "ctrl+q"} and problems == []
