@@ -11,8 +11,13 @@ import argparse
 import sys
 import threading
 
-from kvchat.engine.events import RequestFinished, TokenGenerated
-from kvchat.engine.request import FinishReason, GenerationRequest, SamplingParams
+from kvchat.engine.api import (
+    FinishReason,
+    GenerationRequest,
+    RequestFinished,
+    SamplingParams,
+    TokenGenerated,
+)
 from kvchat.errors import KvchatError, UsageError
 from kvchat.runtime import describe_cache, read_settings, resolve_options, start_engine
 

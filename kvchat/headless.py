@@ -34,7 +34,7 @@ from kvchat.chat.events import (
 )
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
-from kvchat.engine.request import SamplingParams
+from kvchat.engine.api import SamplingParams
 from kvchat.errors import KvchatError, UsageError
 from kvchat.paths import app_paths
 from kvchat.script import (
@@ -271,7 +271,7 @@ class _Runner:
 
 def main(args) -> int:
     """`kvchat run SCRIPT`: the command line's options, then `run_script`."""
-    from kvchat.engine.request import SamplingParams as _Sampling
+    from kvchat.engine.api import SamplingParams as _Sampling
     from kvchat.runtime import read_settings, resolve_options, start_engine
 
     options = resolve_options(args, read_settings())

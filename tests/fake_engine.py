@@ -20,18 +20,22 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvchat.chat.engine_port import ChatBackend, Residency
-from kvchat.engine.events import (
+from kvchat.chat.engine_port import ChatBackend
+from kvchat.engine.api import (
     CachedTokens,
     DraftProgress,
     EngineEvent,
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
     PrefillProgress,
     RequestFinished,
     RequestStarted,
+    RequestState,
+    Residency,
     TokenGenerated,
+    common_prefix,
 )
-from kvchat.engine.request import FinishReason, GenerationRequest, RequestState
-from kvchat.engine.stats import EngineStats
 
 END = 3  # the stop token id of CharRenderer (rendered as nothing)
 
@@ -110,14 +114,6 @@ class _Live:
     draft_tokens: int = 0
     submit_time: float = 0.0
     first_token_time: float | None = None
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class FakeEngine:
@@ -232,7 +228,7 @@ class FakeEngine:
 
     def residency(self, token_ids: Sequence[int]) -> Residency:
         with self._cond:
-            device = max((_common_prefix(token_ids, s) for s in self._seen), default=0)
+            device = max((common_prefix(token_ids, s) for s in self._seen), default=0)
         return Residency(device=device, host=0, nowhere=len(token_ids) - device)
 
     def stats(self) -> EngineStats:
@@ -319,12 +315,12 @@ class FakeEngine:
         if not live.started:
             live.started = True
             prompt = request.prompt_ids
-            live.cached = max((_common_prefix(prompt, s) for s in self._seen), default=0)
+            live.cached = max((common_prefix(prompt, s) for s in self._seen), default=0)
             live.cached = min(live.cached, len(prompt) - 1) if prompt else 0
             # served by drafts: what they matched beyond what turns had computed
-            drafted = max((_common_prefix(prompt, s) for s in self._drafted), default=0)
+            drafted = max((common_prefix(prompt, s) for s in self._drafted), default=0)
             plain = [s for s in self._seen if s not in self._drafted]
-            turns = max((_common_prefix(prompt, s) for s in plain), default=0)
+            turns = max((common_prefix(prompt, s) for s in plain), default=0)
             live.draft_tokens = max(0, min(drafted, live.cached) - turns)
             self._seen.append(tuple(prompt))
             out.append((live.on_event, RequestStarted(live.request_id, now)))

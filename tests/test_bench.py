@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.bench.peers.base import common_prefix
 from kvchat.bench.peers.kvchat import percentile
 from kvchat.bench.runner import parse_peers, parse_workloads
 from kvchat.bench.workloads import WORKLOAD_NAMES, make_plan, median_of_runs
 from kvchat.cli import main
+from kvchat.engine.token_ids import common_prefix
 from kvchat.errors import KvchatError
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from kvchat.engine.host_tier import HostTier
 from kvchat.engine.page_hash import page_hash, root_salt
-from kvchat.engine.page_table import PageTable, Reservation, Residency
+from kvchat.engine.page_table import PageTable, Reservation
+from kvchat.engine.stats import Residency
 
 PS = 4
 SALT = root_salt("test-model", "float32", "fp")

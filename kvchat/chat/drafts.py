@@ -65,11 +65,3 @@ def draft_prompt(
     if ids is None or len(ids) + min(max_tokens, context_length // 4) > context_length:
         return None
     return ids
-
-
-def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

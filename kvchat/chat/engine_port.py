@@ -1,7 +1,8 @@
 """What the chat layer needs from the engine and the chat template, as Protocols.
 
 `kvchat/chat/` must not import torch or the engine's internals: it talks to the
-engine only through `EnginePort` and renders turns only through `RendererPort`.
+engine only through `EnginePort`, whose values come from `kvchat.engine.api`, and
+renders turns only through `RendererPort`.
 Tests substitute fakes (`tests/fake_engine.py`) for both, and the CLI wires the
 real `Engine` and `TurnRenderer` in through a `ChatBackend`.
 """
@@ -12,28 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvchat.engine.events import DraftProgress, EngineEvent
-from kvchat.engine.request import GenerationRequest
-from kvchat.engine.stats import EngineStats
-
-
-@dataclass(frozen=True)
-class Residency:
-    """How many tokens of a sequence are on the device, only on the host, or nowhere.
-
-    Defined here rather than imported from the engine so that importing the chat
-    layer never pulls torch in; the engine may return its own type with the same
-    fields (the chat layer only reads them).
-    """
-
-    device: int = 0
-    host: int = 0
-    nowhere: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.device + self.host + self.nowhere
-
+from kvchat.engine.api import DraftProgress, EngineEvent, EngineStats, GenerationRequest, Residency
 
 Message = Mapping[str, str]  # {"role": ..., "content": ...}
 

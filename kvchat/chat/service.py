@@ -32,8 +32,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvchat.chat.drafts import SessionDraft, common_prefix, draft_prompt
-from kvchat.chat.engine_port import EnginePort, RendererPort, Residency
+from kvchat.chat.drafts import SessionDraft, draft_prompt
+from kvchat.chat.engine_port import EnginePort, RendererPort
 from kvchat.chat.events import (
     ChatEvent,
     DraftChanged,
@@ -64,15 +64,20 @@ from kvchat.chat.session import (
 )
 from kvchat.chat.store import MessageRecord, SessionRecord, Store
 from kvchat.chat.write_behind import WriteBehind
-from kvchat.engine.events import (
+from kvchat.engine.api import (
     DraftProgress,
     EngineEvent,
+    FinishReason,
+    GenerationRequest,
     PrefillProgress,
     RequestFinished,
     RequestStarted,
+    RequestState,
+    Residency,
+    SamplingParams,
     TokenGenerated,
+    common_prefix,
 )
-from kvchat.engine.request import FinishReason, GenerationRequest, RequestState, SamplingParams
 from kvchat.errors import KvchatError, PromptTooLongError
 
 log = logging.getLogger("kvchat.chat")

@@ -15,8 +15,13 @@ from array import array
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 
-from kvchat.engine.events import CachedTokens, RequestFinished
-from kvchat.engine.request import FinishReason, SamplingParams
+from kvchat.engine.api import (
+    CachedTokens,
+    FinishReason,
+    RequestFinished,
+    SamplingParams,
+    hit_rate,
+)
 
 
 class MessageState(StrEnum):
@@ -44,7 +49,7 @@ class TurnStats:
 
     @property
     def hit_rate(self) -> float:
-        return self.cached_tokens.total / self.prompt_tokens if self.prompt_tokens else 0.0
+        return hit_rate(self.cached_tokens.total, self.prompt_tokens)
 
     @classmethod
     def from_finished(cls, event: RequestFinished) -> TurnStats:

@@ -12,23 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class TierStats:
-    """Pages (or host slots) of one tier; `active + cached + free == capacity`."""
-
-    capacity: int
-    active: int  # referenced by a live sequence (always 0 on the host tier)
-    cached: int  # unreferenced, holding content that a later request can match
-    free: int  # holding nothing
+from kvchat.engine.stats import TierPages
 
 
 @dataclass(frozen=True)
 class PageTableStats:
     """A snapshot of the page table: page usage per tier, evictions, token counters."""
 
-    device: TierStats
-    host: TierStats
+    device: TierPages
+    host: TierPages
     device_to_host: int  # device pages evicted to the host tier (copied, or already there)
     host_dropped: int  # host slots dropped to make room
     device_dropped: int  # device pages evicted with nowhere to go (partial, or no host room)
@@ -45,11 +37,6 @@ class PageTableStats:
     def cached_tokens(self) -> int:
         """Prompt tokens served without compute, all tiers together."""
         return self.cached_device + self.cached_host + self.cached_disk
-
-    @property
-    def hit_rate(self) -> float:
-        """Cumulative share of prompt tokens served from a cache tier (0.0 before any prompt)."""
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @dataclass

@@ -44,13 +44,13 @@ from kvchat.engine.host_tier import HostTier
 from kvchat.engine.idle_housekeeping import IdleHousekeeping
 from kvchat.engine.kv_store import DeviceKVStore, HostKVStore, KVPageMover, pages_for_bytes
 from kvchat.engine.page_hash import root_salt
-from kvchat.engine.page_table import PageTable, Residency
+from kvchat.engine.page_table import PageTable
 from kvchat.engine.paged_attention import PagedAttention
 from kvchat.engine.request import FinishReason, GenerationRequest, RequestState
 from kvchat.engine.sampling import sample_next
 from kvchat.engine.scheduler import Scheduler, StepPlan
 from kvchat.engine.sequence import Sequence
-from kvchat.engine.stats import EngineStats, Evictions, TierPages
+from kvchat.engine.stats import EngineStats, Evictions, Residency
 from kvchat.errors import KvchatError
 from kvchat.model.batch import ForwardBatch
 from kvchat.model.detokenizer import IncrementalDetokenizer
@@ -579,12 +579,7 @@ class Engine:
             prefilled_tokens=t.prefilled_tokens,
             recomputed_tokens=t.recomputed_tokens,
             generated_tokens=self._generated,
-            pages={
-                "device": TierPages(
-                    t.device.capacity, t.device.active, t.device.cached, t.device.free
-                ),
-                "host": TierPages(t.host.capacity, t.host.active, t.host.cached, t.host.free),
-            },
+            pages={"device": t.device, "host": t.host},
             evictions=Evictions(t.device_to_host, t.host_dropped, t.device_dropped),
             requests=states,
             preemptions=self.scheduler.preemptions,

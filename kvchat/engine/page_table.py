@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from kvchat.engine.cache_counters import CacheCounters, PageTableStats, TierStats
+from kvchat.engine.cache_counters import CacheCounters, PageTableStats
 from kvchat.engine.defragment import (
     defrag_layout,
     defrag_targets,
@@ -46,6 +46,7 @@ from kvchat.engine.page_hash import page_hash
 from kvchat.engine.page_records import Page, SeqPages
 from kvchat.engine.page_table_invariants import page_table_problems
 from kvchat.engine.prefix_index import PrefixIndex
+from kvchat.engine.stats import Residency, TierPages
 
 
 class PageTableCorrupt(AssertionError):
@@ -86,15 +87,6 @@ class Reservation:
     @property
     def cached_tokens(self) -> int:
         return self.cached_device + self.cached_host
-
-
-@dataclass(frozen=True)
-class Residency:
-    """Where a token history's K/V is: on the device, only on the host, nowhere (tokens)."""
-
-    device: int
-    host: int
-    nowhere: int
 
 
 @dataclass(frozen=True)
@@ -436,12 +428,12 @@ class PageTable:
         c = self._counters
         free = len(self._free)
         cached = len(self._cached)
-        device = TierStats(self.num_pages, self.num_pages - free - cached, cached, free)
+        device = TierPages(self.num_pages, self.num_pages - free - cached, cached, free)
         if self.host is None:
-            host = TierStats(0, 0, 0, 0)
+            host = TierPages(0, 0, 0, 0)
             dropped = 0
         else:
-            host = TierStats(self.host.num_slots, 0, len(self.host), self.host.free_slots)
+            host = TierPages(self.host.num_slots, 0, len(self.host), self.host.free_slots)
             dropped = self.host.dropped
         return PageTableStats(
             device=device,

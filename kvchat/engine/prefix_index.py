@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from kvchat.engine.host_tier import HostTier
 from kvchat.engine.page_hash import page_hash
 from kvchat.engine.page_records import Page
+from kvchat.engine.token_ids import common_prefix
 
 
 @dataclass
@@ -31,17 +32,6 @@ class PrefixMatch:
     tail_src: int | None  # device page to copy the tail from
     tail_host: bytes | None  # or: host page to restore partially as the tail
     tail_len: int
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case (a whole tail matches) in one C-level comparison
-        return n
-    i = 0
-    while a[i] == b[i]:  # stops before n: the slices differ somewhere
-        i += 1
-    return i
 
 
 class PrefixIndex:

@@ -12,12 +12,32 @@ from dataclasses import asdict, dataclass, field
 from kvchat.engine.events import CachedTokens
 
 
+def hit_rate(cached_tokens: int, prompt_tokens: int) -> float:
+    """The share of prompt tokens served from a cache tier: cached / prompt (0.0 before any)."""
+    return cached_tokens / prompt_tokens if prompt_tokens else 0.0
+
+
 @dataclass(frozen=True)
 class TierPages:
+    """Pages (or host slots) of one tier; `active + cached + free == capacity`."""
+
     capacity: int = 0
-    active: int = 0  # referenced by a live request
-    cached: int = 0  # unreferenced, with content (the prompt cache)
-    free: int = 0
+    active: int = 0  # referenced by a live request (always 0 on the host tier)
+    cached: int = 0  # unreferenced, with content a later request can match (the prompt cache)
+    free: int = 0  # holding nothing
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Where a token history's K/V is: on the device, only on the host, nowhere (tokens)."""
+
+    device: int = 0
+    host: int = 0
+    nowhere: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.nowhere
 
 
 @dataclass(frozen=True)
@@ -49,9 +69,7 @@ class EngineStats:
     @property
     def hit_rate(self) -> float:
         """sum(cached_tokens) / prompt_tokens, cumulative; 0 before any prompt."""
-        if self.prompt_tokens == 0:
-            return 0.0
-        return self.cached_tokens.total / self.prompt_tokens
+        return hit_rate(self.cached_tokens.total, self.prompt_tokens)
 
     def to_json(self) -> dict[str, object]:
         """The headless `stats` event body (docs/architecture.md): these names, nested objects."""

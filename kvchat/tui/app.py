@@ -56,7 +56,6 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, TextArea
 
-from kvchat.chat.engine_port import Residency
 from kvchat.chat.error_log import log_exception
 from kvchat.chat.events import (
     ChatEvent,
@@ -79,7 +78,7 @@ from kvchat.chat.service import RETRY_SAVE_S, SessionService
 from kvchat.chat.session import MessageView, SessionView
 from kvchat.chat.settings import Settings, save_setting
 from kvchat.chat.store import Store
-from kvchat.engine.request import SamplingParams
+from kvchat.engine.api import Residency, SamplingParams
 from kvchat.errors import KvchatError
 from kvchat.paths import app_paths
 from kvchat.tui.backend import BackendFactory, TuiBackend

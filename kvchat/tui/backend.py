@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from kvchat.chat.engine_port import ChatBackend
 from kvchat.chat.settings import Settings
-from kvchat.engine.request import SamplingParams
+from kvchat.engine.api import SamplingParams
 
 Progress = Callable[[str], None]
 

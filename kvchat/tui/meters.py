@@ -18,7 +18,7 @@ from textual.content import Content
 from textual.widgets import Label, Sparkline, Static
 
 from kvchat.chat.session import SessionView
-from kvchat.engine.stats import EngineStats, TierPages
+from kvchat.engine.api import EngineStats, TierPages
 from kvchat.tui.repaint import same_content, update_static
 
 BAR_WIDTH = 14

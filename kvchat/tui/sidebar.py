@@ -24,8 +24,8 @@ from textual.content import Content
 from textual.message import Message
 from textual.widgets import Static
 
-from kvchat.chat.engine_port import Residency
 from kvchat.chat.session import SessionView
+from kvchat.engine.api import Residency
 from kvchat.tui.repaint import update_static
 
 BAR_WIDTH = 16

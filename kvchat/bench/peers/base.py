@@ -105,12 +105,3 @@ class SpeedPeer(Protocol):
     def batch(self, prompts: Sequence[Sequence[int]], tokens_each: int) -> BatchResult: ...
 
     def close(self) -> None: ...
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two id lists."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

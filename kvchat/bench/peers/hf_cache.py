@@ -12,8 +12,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvchat.bench.peers.base import TurnResult, common_prefix
+from kvchat.bench.peers.base import TurnResult
 from kvchat.bench.peers.hf_model import HfModel
+from kvchat.engine.token_ids import common_prefix
 
 
 @dataclass

@@ -30,8 +30,8 @@ from kvchat.bench.peers.base import (
     PeerUnavailable,
     SpeedResult,
     TurnResult,
-    common_prefix,
 )
+from kvchat.engine.token_ids import common_prefix
 
 GREEDY = dict(top_k=1, top_p=1.0, min_p=0.0, typical_p=1.0, temp=0.0, repeat_penalty=1.0)
 INSTALL_HINT = (

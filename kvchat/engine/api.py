@@ -1,0 +1,43 @@
+"""The engine's public API: all that the chat layer, the TUI and the headless mode use of it.
+
+Requests and sampling parameters go in, events and stats snapshots come out, and
+`Residency` says where a history's K/V lives. Everything here is a plain frozen
+value with no torch behind it, so importing this module (and with it `kvchat.chat`
+or `kvchat.tui`) never loads torch; the `Engine` class itself is started by
+`kvchat.runtime`. Above the engine, nothing imports another `kvchat.engine` module.
+"""
+
+from __future__ import annotations
+
+from kvchat.engine.events import (
+    CachedTokens,
+    DraftProgress,
+    EngineEvent,
+    PrefillProgress,
+    RequestFinished,
+    RequestStarted,
+    TokenGenerated,
+)
+from kvchat.engine.request import FinishReason, GenerationRequest, RequestState, SamplingParams
+from kvchat.engine.stats import EngineStats, Evictions, Residency, TierPages, hit_rate
+from kvchat.engine.token_ids import common_prefix
+
+__all__ = [
+    "CachedTokens",
+    "DraftProgress",
+    "EngineEvent",
+    "EngineStats",
+    "Evictions",
+    "FinishReason",
+    "GenerationRequest",
+    "PrefillProgress",
+    "RequestFinished",
+    "RequestStarted",
+    "RequestState",
+    "Residency",
+    "SamplingParams",
+    "TierPages",
+    "TokenGenerated",
+    "common_prefix",
+    "hit_rate",
+]
