@@ -1,25 +1,66 @@
-"""What the chat layer needs from the engine and the chat template, as Protocols.
+"""What the chat layer needs from an engine and a chat template, as Protocols.
 
-`kvchat/chat/` must not import torch or the engine's internals: it talks to the
-engine only through `EnginePort`, whose values come from `kvchat.engine.api`, and
-renders turns only through `RendererPort`.
-Tests substitute fakes (`tests/fake_engine.py`) for both, and the CLI wires the
-real `Engine` and `TurnRenderer` in through a `ChatBackend`.
+`kvchat/chat/` must not import torch or the engine's internals. The session
+layer hands a whole *turn* to a `TurnPort`: the conversation's messages, plus
+the prompt ids it keeps for a backend that computes from ids (the embedded
+engine, which finds the cached prefix in them). It gets back the engine events
+of `kvchat.engine.api`: text deltas (`TokenGenerated`, whose ids may be
+empty for a backend that sends text only) and the turn's figures
+(`RequestFinished`, or `TurnFinished` when the backend reports counts rather
+than ids). The embedded engine, a token-level `EnginePort`, becomes a
+`TurnPort` through `EngineTurnAdapter`; a remote server implements `TurnPort`
+directly (kvchat/remote/). Tests substitute fakes (`tests/fake_engine.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
-from kvchat.engine.api import DraftProgress, EngineEvent, EngineStats, GenerationRequest, Residency
+from kvchat.engine.api import (
+    DraftProgress,
+    EngineEvent,
+    EngineStats,
+    GenerationRequest,
+    RequestFinished,
+    Residency,
+    SamplingParams,
+)
 
 Message = Mapping[str, str]  # {"role": ..., "content": ...}
 
 
+@dataclass(frozen=True)
+class Turn:
+    """One reply to generate: what the session layer hands to a `TurnPort`."""
+
+    session_id: str  # stable per conversation (a remote backend sends it for routing)
+    messages: tuple[Message, ...]  # the in-context conversation, the new user message last
+    prompt_ids: tuple[int, ...]  # the stored ids plus the continuation (the embedded prompt)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 512
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class TurnFinished(RequestFinished):
+    """A finished turn from a backend that reports counts, not ids (a remote server).
+
+    `generated_ids` is empty; `generated_count` is the server's count. Figures the
+    backend does not report are None (`cached_tokens.host`, `recomputed_tokens`, ...).
+    """
+
+    generated_count: int = 0
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.generated_count
+
+
 class EnginePort(Protocol):
-    """The engine as the chat layer sees it; every method is safe from any thread."""
+    """A token-level engine (the embedded one); every method is safe from any thread."""
 
     def submit(self, request: GenerationRequest, on_event: Callable[[EngineEvent], None]) -> int:
         """Queue a request; `on_event` is called from the engine thread. Returns its id."""
@@ -51,6 +92,103 @@ class EnginePort(Protocol):
 
     @property
     def context_length(self) -> int: ...
+
+
+@runtime_checkable
+class TurnPort(Protocol):
+    """What the session layer calls: a turn in, its events out; safe from any thread."""
+
+    streams_token_ids: bool  # False: text deltas only (their ids are unknown, not empty)
+
+    def submit_turn(self, turn: Turn, on_event: Callable[[EngineEvent], None]) -> int:
+        """Start the turn's reply; `on_event` is called from another thread. Returns its id."""
+        ...
+
+    def cancel(self, request_id: int) -> None: ...
+
+    def draft(
+        self,
+        token_ids: Sequence[int],
+        on_progress: Callable[[DraftProgress], None],
+        *,
+        replaces: int | None = None,
+    ) -> int:
+        """Compute a prompt ahead (type-ahead); a backend that cannot returns an id and does
+        nothing. `cancel` ends it.
+
+        `replaces` names a draft this one takes over from (cancelled; its pages stay).
+        """
+        ...
+
+    def prefetch(self, token_ids: Sequence[int]) -> None: ...
+
+    def residency(self, token_ids: Sequence[int]) -> Residency: ...
+
+    def stats(self) -> EngineStats: ...
+
+    @property
+    def model_fingerprint(self) -> str: ...
+
+    @property
+    def context_length(self) -> int: ...
+
+
+class EngineTurnAdapter:
+    """The embedded engine as a `TurnPort`: a turn's prompt ids become its request."""
+
+    streams_token_ids = True  # its `TokenGenerated` events carry the reply's ids
+
+    def __init__(self, engine: EnginePort) -> None:
+        self.engine = engine
+
+    def submit_turn(self, turn: Turn, on_event: Callable[[EngineEvent], None]) -> int:
+        request = GenerationRequest(
+            prompt_ids=turn.prompt_ids,
+            sampling=turn.sampling,
+            max_tokens=turn.max_tokens,
+            stop_token_ids=turn.stop_token_ids,
+            ignore_eos=turn.ignore_eos,
+        )
+        return self.engine.submit(request, on_event)
+
+    def cancel(self, request_id: int) -> None:
+        self.engine.cancel(request_id)
+
+    def draft(
+        self,
+        token_ids: Sequence[int],
+        on_progress: Callable[[DraftProgress], None],
+        *,
+        replaces: int | None = None,
+    ) -> int:
+        return self.engine.draft(token_ids, on_progress, replaces=replaces)
+
+    def prefetch(self, token_ids: Sequence[int]) -> None:
+        self.engine.prefetch(token_ids)
+
+    def residency(self, token_ids: Sequence[int]) -> Residency:
+        return self.engine.residency(token_ids)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    @property
+    def model_fingerprint(self) -> str:
+        return self.engine.model_fingerprint
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.context_length
+
+    def __getattr__(self, name: str):  # anything else the wrapped engine offers (close, ...)
+        return getattr(self.engine, name)
+
+
+def turn_port(engine: TurnPort | EnginePort) -> TurnPort:
+    """`engine` as a `TurnPort` (a token-level engine is wrapped)."""
+    if hasattr(engine, "submit_turn"):
+        return engine  # type: ignore[return-value]
+    return EngineTurnAdapter(engine)  # type: ignore[arg-type]
 
 
 class RendererPort(Protocol):
@@ -95,6 +233,6 @@ class RendererPort(Protocol):
 class ChatBackend:
     """What the CLI hands to the chat layer and the headless mode: an engine and its template."""
 
-    engine: EnginePort
+    engine: TurnPort | EnginePort
     renderer: RendererPort
     stop_token_ids: frozenset[int] = frozenset()  # the tokenizer's end-of-turn ids

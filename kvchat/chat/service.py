@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvchat.chat.drafts import SessionDraft, draft_prompt
-from kvchat.chat.engine_port import EnginePort, RendererPort
+from kvchat.chat.engine_port import EnginePort, RendererPort, Turn, TurnPort, turn_port
 from kvchat.chat.events import (
     ChatEvent,
     DraftChanged,
@@ -68,7 +68,6 @@ from kvchat.engine.api import (
     DraftProgress,
     EngineEvent,
     FinishReason,
-    GenerationRequest,
     PrefillProgress,
     RequestFinished,
     RequestStarted,
@@ -140,7 +139,7 @@ class SessionService:
 
     def __init__(
         self,
-        engine: EnginePort,
+        engine: TurnPort | EnginePort,
         renderer: RendererPort,
         store: Store,
         *,
@@ -150,7 +149,7 @@ class SessionService:
         save_interval_s: float = 0.25,
         save_every_tokens: int = 16,
     ) -> None:
-        self._engine = engine
+        self._engine = turn_port(engine)
         self._renderer = renderer
         self._store = store
         self._stop_ids = frozenset(stop_token_ids)
@@ -328,7 +327,7 @@ class SessionService:
     # ----------------------------------------------------------------- queries
 
     @property
-    def engine(self) -> EnginePort:
+    def engine(self) -> TurnPort:
         return self._engine
 
     def list_sessions(self, *, include_archived: bool = False) -> list[SessionView]:
@@ -822,6 +821,7 @@ class SessionService:
         message, so another process's turn never lands between them.
         """
         rt = self._runtime[session.id]
+        messages = tuple(m.as_chat() for m in session.context_messages())
         assistant = _message("assistant", "", state=MessageState.STREAMING)
         assistant.offset = len(session.ids)
         session.messages.append(assistant)
@@ -833,7 +833,9 @@ class SessionService:
         rt.notice = None
         self._persist(session, [*also, assistant], removed=removed)
         events: list[ChatEvent] = [ReplyStarted(session.id, assistant.id, rt.turn)]
-        request = GenerationRequest(
+        turn = Turn(
+            session_id=session.id,
+            messages=messages,
             prompt_ids=tuple(session.ids),
             sampling=say.sampling or session.sampling,
             max_tokens=say.max_tokens or session.max_tokens or self._default_max_tokens,
@@ -846,7 +848,7 @@ class SessionService:
             self._tasks.put(lambda: self._on_engine_event(sid, mid, event))
 
         try:
-            rt.request_id = self._engine.submit(request, on_event)
+            rt.request_id = self._engine.submit_turn(turn, on_event)
         except Exception as exc:  # the engine refused or failed: this reply is an error
             log.exception("engine submit failed")
             finished = self._finish(session, rt, TurnStats.failed(str(exc)), (), "")

@@ -39,8 +39,8 @@ class TurnStats:
     finish_reason: str
     prompt_tokens: int
     cached_tokens: CachedTokens
-    prefilled_tokens: int
-    recomputed_tokens: int
+    prefilled_tokens: int | None  # None: a server that does not report cached tokens
+    recomputed_tokens: int | None  # None: a remote server (it does not report recompute)
     generated_tokens: int
     ttft_s: float | None
     decode_tok_s: float | None
@@ -48,7 +48,10 @@ class TurnStats:
     draft_tokens: int = 0  # prompt tokens served from pages its drafts computed (in cached)
 
     @property
-    def hit_rate(self) -> float:
+    def hit_rate(self) -> float | None:
+        """None when the backend did not report what was cached (never a made-up 0)."""
+        if not self.cached_tokens.reported:
+            return None
         return hit_rate(self.cached_tokens.total, self.prompt_tokens)
 
     @classmethod

@@ -13,15 +13,22 @@ from kvchat.engine.request import FinishReason
 
 @dataclass(frozen=True)
 class CachedTokens:
-    """Prompt tokens served without compute, by the tier they came from."""
+    """Prompt tokens served without compute, by the tier they came from.
 
-    device: int = 0
-    host: int = 0
-    disk: int = 0
+    None: the backend does not report that tier (a remote server reports one count).
+    """
+
+    device: int | None = 0
+    host: int | None = 0
+    disk: int | None = 0
 
     @property
     def total(self) -> int:
-        return self.device + self.host + self.disk
+        return (self.device or 0) + (self.host or 0) + (self.disk or 0)
+
+    @property
+    def reported(self) -> bool:
+        return not (self.device is None and self.host is None and self.disk is None)
 
 
 @dataclass(frozen=True)
@@ -52,8 +59,9 @@ class RequestFinished:
     reason: FinishReason
     prompt_tokens: int
     cached_tokens: CachedTokens
-    prefilled_tokens: int  # prompt tokens computed; prompt = cached.total + prefilled
-    recomputed_tokens: int  # recompute caused by preemption or requeue (not in the hit rate)
+    prefilled_tokens: int | None  # prompt tokens computed; prompt = cached.total + prefilled
+    # recompute caused by preemption or requeue (not in the hit rate); None: not reported
+    recomputed_tokens: int | None
     generated_ids: tuple[int, ...]  # includes the stop token when the reply ended on one
     text: str
     ttft_s: float | None
