@@ -19,6 +19,7 @@ from kvchat.engine.api import (
     TokenGenerated,
 )
 from kvchat.errors import KvchatError, UsageError
+from kvchat.remote.options import remote_options
 from kvchat.runtime import describe_cache, read_settings, resolve_options, start_engine
 
 
@@ -35,6 +36,9 @@ def run_ask(args: argparse.Namespace) -> int:
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    remote = remote_options(args, settings)
+    if remote is not None:
+        return _ask_remote(args, remote, options, progress)
     model, engine = start_engine(options, progress)
     progress(describe_cache(engine))
     messages = []
@@ -62,6 +66,50 @@ def run_ask(args: argparse.Namespace) -> int:
 
     sampling = SamplingParams(temperature=options.temperature or 0.0, top_p=1.0, seed=options.seed)
     request_id = engine.submit(GenerationRequest(tuple(prompt), sampling, max_tokens), on_event)
+    try:
+        while not done.wait(0.2):
+            pass
+    except KeyboardInterrupt:
+        engine.cancel(request_id)
+        done.wait(10)
+    finally:
+        engine.close()
+    sys.stdout.write("\n")
+    finished = result[0] if result else None
+    if finished is None or finished.reason == FinishReason.CANCELLED:
+        print("kvchat: generation cancelled", file=sys.stderr)
+        return 130
+    if finished.reason == FinishReason.ERROR:
+        raise KvchatError(finished.error or "generation failed")
+    return 0
+
+
+def _ask_remote(args, remote, options, progress) -> int:
+    """The same answer from an OpenAI-compatible server: one turn through its `TurnPort`."""
+    from kvchat.chat.engine_port import Turn
+    from kvchat.remote import open_remote_backend
+
+    backend = open_remote_backend(remote)
+    engine = backend.engine
+    progress(engine.connected_line())
+    messages = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    messages.append({"role": "user", "content": args.question})
+    done = threading.Event()
+    result: list[RequestFinished] = []
+
+    def on_event(event) -> None:
+        if isinstance(event, TokenGenerated) and event.text:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif isinstance(event, RequestFinished):
+            result.append(event)
+            done.set()
+
+    sampling = SamplingParams(temperature=options.temperature or 0.0, top_p=1.0, seed=options.seed)
+    turn = Turn("ask", tuple(messages), (), sampling, options.max_tokens or 512)
+    request_id = engine.submit_turn(turn, on_event)
     try:
         while not done.wait(0.2):
             pass

@@ -50,6 +50,25 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--page-size", type=int, metavar="N", help="tokens per KV page (power of two, >= 16)"
     )
+    p.add_argument(
+        "--engine",
+        metavar="URL|embedded",
+        help="an OpenAI-compatible server (vLLM, SGLang, llama-server), e.g. "
+        "http://127.0.0.1:8000/v1, or embedded (the default)",
+    )
+    p.add_argument(
+        "--remote-model", metavar="NAME", help="the served model (default: the server's first)"
+    )
+    p.add_argument(
+        "--api-key-env",
+        metavar="NAME",
+        help="environment variable holding the server's API key (default: OPENAI_API_KEY)",
+    )
+    p.add_argument(
+        "--session-header",
+        metavar="NAME",
+        help="header carrying the session id, for routers (default: X-Session-ID)",
+    )
     p.add_argument("--seed", type=int, metavar="N")
     p.add_argument("--temperature", type=float, metavar="X", help="0 means greedy")
     p.add_argument("--max-tokens", type=int, metavar="N")
@@ -112,6 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv  # `kvchat bench` records the command line it ran
     command = args.command
+    refused = _refuse_embedded_flags(args)
+    if refused:
+        print(f"kvchat: {refused}", file=sys.stderr)
+        return 2
     try:
         if command == "ask":
             from kvchat.ask import run_ask
@@ -153,6 +176,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _unexpected(exc)
     except Exception as exc:
         return _unexpected(exc)
+
+
+def _refuse_embedded_flags(args: argparse.Namespace) -> str | None:
+    """Why the command line mixes a remote server with the embedded engine's flags, or None."""
+    if not hasattr(args, "engine"):
+        return None
+    if args.command == "bench":  # measures the embedded engine (a server's settings aside)
+        engine = (args.engine or "embedded").strip().lower()
+        if engine != "embedded":
+            return "bench measures the embedded engine; --engine URL is for chat, run and ask"
+        return None
+    from kvchat.errors import KvchatError
+    from kvchat.remote.options import embedded_flag_given, remote_options
+    from kvchat.runtime import read_settings
+
+    try:
+        remote = remote_options(args, read_settings())
+    except KvchatError as exc:
+        return str(exc)
+    flag = embedded_flag_given(args) if remote is not None else None
+    if flag is None:
+        return None
+    return (
+        f"{flag} is an option of the embedded engine; with the server at {remote.url} the "
+        "server decides it (use --remote-model to pick a served model, or --engine embedded)"
+    )
 
 
 def _unexpected(exc: BaseException) -> int:

@@ -185,6 +185,8 @@ class _Runner:
         self.ids: dict[str, str] = {}  # script name -> session id
         self.names: dict[str, str] = {}  # session id -> script name
         self.failed = False
+        # False for a backend that streams text without ids (a remote server)
+        self.token_ids = getattr(service.engine, "streams_token_ids", True)
         service.subscribe(self.on_event)
 
     def on_event(self, event: ChatEvent) -> None:
@@ -199,7 +201,8 @@ class _Runner:
                     "event": "token",
                     "session": name,
                     "text": event.text,
-                    "ids": list(event.token_ids),
+                    # a remote server sends text only: its ids are unknown, not empty
+                    "ids": list(event.token_ids) if self.token_ids else None,
                 }
             )
         elif isinstance(event, SessionFailed):
@@ -272,12 +275,22 @@ class _Runner:
 def main(args) -> int:
     """`kvchat run SCRIPT`: the command line's options, then `run_script`."""
     from kvchat.engine.api import SamplingParams as _Sampling
+    from kvchat.remote.options import remote_options
     from kvchat.runtime import read_settings, resolve_options, start_engine
 
-    options = resolve_options(args, read_settings())
+    settings = read_settings()
+    options = resolve_options(args, settings)
+    remote = remote_options(args, settings)
     engines: list = []
 
     def services() -> ChatBackend:
+        if remote is not None:
+            from kvchat.remote import open_remote_backend
+
+            backend = open_remote_backend(remote)
+            engines.append(backend.engine)
+            print(backend.engine.connected_line(), file=sys.stderr)
+            return backend
         model, engine = start_engine(options, progress=lambda m: print(m, file=sys.stderr))
         engines.append(engine)
         return ChatBackend(engine, model.renderer, frozenset(model.tokenizer.stop_token_ids))

@@ -21,6 +21,8 @@ from pathlib import Path
 import platformdirs
 import pytest
 
+from tests.servers import llama_server, vllm_server  # noqa: F401  (fixtures, started once a run)
+
 TEST_CACHE = Path(os.environ.get("KVCHAT_TEST_CACHE", Path.home() / ".cache" / "kvchat-test"))
 
 # The folders a real kvchat uses for this user (what `app_paths()` gives without KVCHAT_HOME).

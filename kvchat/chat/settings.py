@@ -40,6 +40,10 @@ class Settings:
     weights: str | None = None  # "native" (GGUF 4-bit kept 4-bit) | "bf16" (dequantized)
     quantize: str | None = None  # "int8" | "int4" for Hugging Face folders
     kv: str | None = None  # "native" | "int8" KV cache
+    engine: str | None = None  # "embedded" or an OpenAI-compatible server's URL
+    remote_model: str | None = None  # the served model to use on that server
+    api_key_env: str | None = None  # the environment variable holding the server's API key
+    session_header: str | None = None  # the header carrying the session id (routing)
     keys: MappingProxyType[str, str] = field(default_factory=lambda: MappingProxyType({}))
     # key -> "FILE, line N": where each value was written, for messages about it
     sources: MappingProxyType[str, str] = field(
@@ -80,7 +84,7 @@ def _check(path: Path, text: str, key: str, value: Any) -> Any:
     def bad(expected: str) -> KvchatError:
         return UsageError(f"{where}: '{key}' must be {expected}, not {value!r}")
 
-    if key in ("model", "theme"):
+    if key in ("model", "theme", "engine", "remote_model", "api_key_env", "session_header"):
         if not isinstance(value, str) or not value:
             raise bad("a non-empty string")
         return value

@@ -41,9 +41,13 @@ def start_real_backend(
 
     Raises `KvchatError` (e.g. `ModelLoadError`) with a message saying what to do.
     """
+    from kvchat.remote.options import remote_options
     from kvchat.runtime import describe_cache, resolve_options, start_engine
 
     options = resolve_options(args, settings)
+    remote = remote_options(args, settings)
+    if remote is not None:
+        return _start_remote_backend(remote, options, settings, progress)
     model, engine = start_engine(options, progress)
     defaults = dict(model.generation_defaults)
     if options.temperature is not None:
@@ -72,5 +76,28 @@ def start_real_backend(
         default_max_tokens=options.max_tokens or settings.max_tokens,
         description=describe(),
         describe=describe,
+        close=engine.close,
+    )
+
+
+def _start_remote_backend(remote, options, settings: Settings, progress: Progress) -> TuiBackend:
+    """Connect to an OpenAI-compatible server; the meters' note shows its own figures."""
+    from kvchat.remote import open_remote_backend
+
+    progress(f"Connecting to {remote.url} ...")
+    chat = open_remote_backend(remote)
+    engine = chat.engine
+    progress(engine.connected_line())
+    sampling = SamplingParams(
+        temperature=0.7 if options.temperature is None else options.temperature,
+        top_p=0.9 if settings.top_p is None else settings.top_p,
+        seed=options.seed,
+    )
+    return TuiBackend(
+        chat=chat,
+        default_sampling=sampling,
+        default_max_tokens=options.max_tokens or settings.max_tokens,
+        description=engine.cache_note(),
+        describe=engine.cache_note,
         close=engine.close,
     )

@@ -121,7 +121,16 @@ class Meters(Vertical):
         last = view.last_turn if view is not None and fresh else None
         last_hit = last.hit_rate if last is not None and last.prompt_tokens else None
         overall = stats.hit_rate if stats.prompt_tokens else None
-        self._set("hit-rate", f"last turn {_pct(last_hit)}   overall {_pct(overall)}")
+        not_reported = getattr(stats, "not_reported", "")  # a remote server without the figure
+        if not_reported:
+            self._set("hit-rate", not_reported)
+        else:
+            self._set("hit-rate", f"last turn {_pct(last_hit)}   overall {_pct(overall)}")
+        if getattr(stats, "engine", None):  # a remote server: what its /metrics say
+            self._set("pages", stats.pages_note)  # type: ignore[attr-defined]
+            self._set("evictions", stats.evictions_note)  # type: ignore[attr-defined]
+            self._set_speeds(stats, view, last, session_rate)
+            return
 
         lines = []
         for tier in ("device", "host"):
@@ -151,6 +160,9 @@ class Meters(Vertical):
             f"{ev.host_dropped + ev.device_dropped:,} dropped)  {rate:.1f}/s",
         )
 
+        self._set_speeds(stats, view, last, session_rate)
+
+    def _set_speeds(self, stats, view, last, session_rate: float | None) -> None:
         ttft = last.ttft_s if last is not None else None
         self._set("ttft", "—" if ttft is None else f"{ttft * 1000:,.0f} ms")
         overall_rate = _rate(stats.decode_tok_s or None)  # 0: nothing decoded lately

