@@ -28,13 +28,15 @@ from typing import Any
 
 import openai
 
-from kvchat.chat.engine_port import Residency, Turn, TurnFinished
+from kvchat.chat.engine_port import Turn, TurnFinished
 from kvchat.engine.api import (
     CachedTokens,
+    DraftProgress,
     EngineEvent,
     EngineStats,
     FinishReason,
     RequestStarted,
+    Residency,
     TokenGenerated,
 )
 from kvchat.remote.metrics import MetricsPoller, ServerMetrics
@@ -181,6 +183,16 @@ class RemoteEngine:
         if stream is not None:
             with contextlib.suppress(Exception):
                 stream.close()  # the server sees the connection close and aborts the request
+
+    def draft(
+        self,
+        token_ids: Sequence[int],
+        on_progress: Callable[[DraftProgress], None],
+        *,
+        replaces: int | None = None,
+    ) -> int:
+        """No type-ahead on a server (the renderer offers no draft ids); an id that does nothing."""
+        return next(self._ids)
 
     def prefetch(self, token_ids: Sequence[int]) -> None:
         """Nothing to do: the server decides what stays in its cache."""

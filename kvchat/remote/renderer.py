@@ -45,6 +45,17 @@ class RemoteRenderer:
     ) -> list[int] | None:
         return None
 
+    def draft_ids(
+        self,
+        history: Sequence[Message],
+        user_text: str,
+        *,
+        reply_ended_with_stop: bool,
+        stop_token_id: int | None = None,
+    ) -> list[int] | None:
+        """None: no type-ahead prefill on a server (it would cost a request per keystroke)."""
+        return None
+
     def _tokenize(self, chat: list[dict[str, str]]) -> list[int] | None:
         server = self.server
         if self.info.kind in ("vllm", "sglang", "unknown"):
