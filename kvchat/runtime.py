@@ -125,11 +125,17 @@ def engine_config(options: RuntimeOptions):
 
 def start_engine(options: RuntimeOptions, progress: Callable[[str], None]):
     """Load the model and start its engine; returns (model, engine)."""
+    import torch
+
+    from kvchat.engine.config import available_memory
     from kvchat.engine.engine import Engine
     from kvchat.model.loader import load_model
+    from kvchat.native import build as native_build
+
+    ram_before_load = available_memory(torch.device("cpu"))
 
     def load():
-        return load_model(
+        model = load_model(
             options.model,
             dtype=options.dtype,
             device=options.device,
@@ -137,15 +143,43 @@ def start_engine(options: RuntimeOptions, progress: Callable[[str], None]):
             quantize=options.quantize,
             progress=progress,
         )
-
-    import torch
-
-    from kvchat.native import build as native_build
+        check_cache_budget(model, options, ram_before_load)  # before the cache is allocated
+        return model
 
     if options.device == "cpu" or (options.device is None and not torch.cuda.is_available()):
         native_build.request()  # compiles (first run only) while the model loads
-    engine = Engine.launch(load, engine_config(options))  # all torch work on one thread
+    try:
+        engine = Engine.launch(load, engine_config(options))  # all torch work on one thread
+    except (RuntimeError, MemoryError) as exc:  # what the budget could not foresee
+        if not isinstance(exc, torch.OutOfMemoryError | MemoryError) and (
+            "allocate" not in str(exc)
+        ):
+            raise
+        raise KvchatError(
+            f"the KV cache could not be allocated ({str(exc).splitlines()[0]}); "
+            "give --device-cache and --host-cache smaller sizes."
+        ) from None
     return engine.model, engine
+
+
+def check_cache_budget(model, options: RuntimeOptions, ram_before_load: int) -> None:
+    """UsageError when the cache sizes (given or default) do not fit in this machine."""
+    import torch
+
+    from kvchat.cache_budget import CacheRequest, check_cpu_budget, check_gpu_budget
+    from kvchat.engine.config import available_memory, default_cache_bytes
+
+    device = model.transformer.device
+    default_device, default_host = default_cache_bytes(device)
+    request = CacheRequest.of(
+        options.device_cache or default_device,
+        default_host if options.host_cache is None else options.host_cache,
+        options.sources,
+    )
+    if device.type == "cpu":
+        check_cpu_budget(request, model.transformer.weight_bytes(), ram_before_load)
+    else:
+        check_gpu_budget(request, available_memory(device), available_memory(torch.device("cpu")))
 
 
 def describe_cache(engine) -> str:

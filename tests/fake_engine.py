@@ -130,6 +130,7 @@ class FakeEngine:
         fail_submit: bool = False,
         error_after_tokens: int | None = None,
         error_from_request: int = 1,
+        error_message: str = "fake engine failure",
         stall_after: Callable[[GenerationRequest], int | None] | None = None,
         encode: Callable[[str], Sequence[int]] | None = None,
         decode: Callable[[Sequence[int]], str] | None = None,
@@ -143,6 +144,7 @@ class FakeEngine:
         self.fail_submit = fail_submit
         self.error_after_tokens = error_after_tokens  # requests from error_from_request fail
         self.error_from_request = error_from_request
+        self.error_message = error_message
         self.stall_after = stall_after  # tokens after which a request waits for its cancel
         # a real tokenizer's encode/decode make the replies real ids (default: one char a token)
         self.encode = encode or (lambda text: [ord(c) for c in text])
@@ -334,7 +336,7 @@ class FakeEngine:
             and live.request_id >= self.error_from_request
             and len(live.generated) >= self.error_after_tokens
         ):
-            return [*out, self._finish(live, FinishReason.ERROR, now, "fake engine failure")]
+            return [*out, self._finish(live, FinishReason.ERROR, now, self.error_message)]
         i = len(live.generated)
         room = self._context_length - len(request.prompt_ids)
         if i >= request.max_tokens or i >= room:

@@ -358,11 +358,7 @@ class Engine:
         with self._lock:
             stuck = self.scheduler.unfittable()
             if stuck is not None:
-                self._fail(
-                    stuck,
-                    "The prompt does not fit in the device cache even when it "
-                    "is empty; raise --device-cache or shorten the conversation.",
-                )
+                self._fail(stuck, self._out_of_cache_message(stuck))
                 return True
             if self._idle.defragment_slice(self.table, running=bool(self.scheduler.running)):
                 self._publish_stats()  # more may be left: come back after a look at the inbox
@@ -373,6 +369,24 @@ class Engine:
             return False
         self.store.touch(*touch)  # outside the lock: submit() never waits for page faults
         return True
+
+    def _out_of_cache_message(self, seq: Sequence) -> str:
+        """Why a request that can never fit failed: its prompt, or the reply that grew until
+        prompt and reply together filled the whole device cache."""
+        capacity = self.store.num_pages * self.config.page_size
+        generated = len(seq.tokens) - seq.prompt_len
+        if generated > 0:
+            return (
+                f"The reply reached the device cache's capacity: its {seq.prompt_len:,} prompt "
+                f"tokens and {generated:,} generated tokens fill all {capacity:,} tokens the "
+                "device cache holds, so it stopped here (the text so far is kept). To go on, "
+                "raise --device-cache, or lower the reply's max tokens."
+            )
+        return (
+            f"The prompt ({seq.prompt_len:,} tokens) does not fit in the device cache "
+            f"({capacity:,} tokens) even when it is empty; raise --device-cache or shorten "
+            "the conversation."
+        )
 
     def _plan_draft(self, plan: StepPlan) -> DraftRun | None:
         """A draft chunk for this step, if drafts may run beside what the plan holds."""

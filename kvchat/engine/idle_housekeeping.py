@@ -9,6 +9,11 @@ step, so later prefills do not pay for the page faults.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
+
+from kvchat.engine.config import available_memory
 from kvchat.engine.kv_store import DeviceKVStore
 from kvchat.engine.page_table import PageTable
 
@@ -18,6 +23,9 @@ DEFRAG_PAGES_PER_STEP = 16
 # After that, an idle step on a CPU faults in this much of the KV store that no step has
 # touched yet (`DeviceKVStore.touch`), so later prefills do not pay for it.
 TOUCH_BYTES_PER_STEP = 32 << 20
+# Touching stops for good while less than this much RAM would be left: pages committed
+# ahead of use must never push the machine into swap (they are faulted in when written).
+TOUCH_RESERVE_BYTES = 1 << 30
 
 
 class IdleHousekeeping:
@@ -43,12 +51,23 @@ class IdleHousekeeping:
         self.defragmenting = moved > 0
         return moved > 0
 
-    def next_touch(self, store: DeviceKVStore) -> tuple[int, int] | None:
-        """The next slice of store pages to fault in, or None when all are touched."""
+    def next_touch(
+        self, store: DeviceKVStore, available_ram: Callable[[], int] | None = None
+    ) -> tuple[int, int] | None:
+        """The next slice of store pages to fault in, or None when all are touched (or
+        when touching more would leave less than `TOUCH_RESERVE_BYTES` of RAM)."""
         if self.touched_pages >= store.num_pages:
             return None
         per_step = max(1, TOUCH_BYTES_PER_STEP // store.page_bytes())
+        free = (available_ram or _available_ram)()
+        if free - per_step * store.page_bytes() < TOUCH_RESERVE_BYTES:
+            self.touched_pages = store.num_pages  # the rest is faulted in when first written
+            return None
         end = min(store.num_pages, self.touched_pages + per_step)
         touch = (self.touched_pages, end)
         self.touched_pages = end
         return touch
+
+
+def _available_ram() -> int:
+    return available_memory(torch.device("cpu"))

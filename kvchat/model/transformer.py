@@ -120,6 +120,30 @@ class Transformer:
                     places.append((linear, name))
         huge_pages.move_into_arena(places)
 
+    def weight_bytes(self) -> int:
+        """Bytes of memory the weights hold (each storage once: a tied head, the huge-page
+        arena's views and a layer's dense copy are counted as what they occupy)."""
+        tensors = [self.embed, self.norm, *self.rotary_tensors()]
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+        for linear in self._linears():
+            for name in _slots(type(linear)):
+                t = getattr(linear, name, None)
+                if isinstance(t, torch.Tensor):
+                    tensors.append(t)
+        storages: dict[int, int] = {}
+        for t in tensors:
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # opaque (oneDNN-packed) tensors
+                storages[id(t)] = t.numel() * t.element_size()
+                continue
+            storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+    def rotary_tensors(self) -> list[torch.Tensor]:
+        return [t for t in vars(self.rotary).values() if isinstance(t, torch.Tensor)]
+
     def _linears(self) -> list[Linear]:
         layers = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers]
         return [self.lm_head, *(linear for group in layers for linear in group)]

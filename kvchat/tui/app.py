@@ -134,7 +134,7 @@ Screen.-narrow #sidebar { width: 24; }
    each time one was added: frames grew with the reply's length (tests/test_tui_repaint.py). */
 .message { height: auto; margin-bottom: 0; }
 .message.-empty { margin-bottom: 1; }
-.message-header { color: $text-muted; text-style: bold; }
+.message-header { color: $text-muted; text-style: bold; width: 100%; }  /* wraps an error */
 .message.-user .message-header { color: $primary; }
 .message.-assistant .message-header { color: $secondary; }
 .message.-interrupted .message-header, .message.-error .message-header { color: $error; }

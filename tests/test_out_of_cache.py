@@ -1,0 +1,61 @@
+"""A reply that fills the device cache says so (not "the prompt does not fit"), and the TUI
+shows an error message whole, wrapped under the message's header."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvchat.engine.events import RequestFinished
+from kvchat.engine.request import FinishReason, GenerationRequest
+from kvchat.model.loader import load_model
+from tests.engine_helpers import Collector, small_engine
+from tests.tui_helpers import fake_app, ready, transcript_texts, wait_until
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tests.tiny_models import write_tiny_model
+
+    folder = write_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
+    return load_model(str(folder), dtype="float32", device="cpu")
+
+
+def run(tiny, prompt: list[int], max_tokens: int) -> RequestFinished:
+    per_token = 2 * tiny.config.num_layers * tiny.config.num_kv_heads * tiny.config.head_dim * 4
+    with small_engine(tiny, device_cache_bytes=4 * 16 * per_token, host_cache_bytes=0) as engine:
+        collector = Collector()
+        engine.submit(
+            GenerationRequest(tuple(prompt), max_tokens=max_tokens, ignore_eos=True), collector
+        )
+        return collector.wait()
+
+
+def test_a_reply_that_fills_the_device_cache_says_what_happened_and_what_to_do(tiny) -> None:
+    finished = run(tiny, list(range(3, 13)), max_tokens=500)
+    assert finished.reason == FinishReason.ERROR
+    assert len(finished.generated_ids) > 40  # it ran until the cache was full
+    assert "The reply reached the device cache's capacity" in finished.error
+    assert "10 prompt tokens" in finished.error and "all 64 tokens" in finished.error
+    assert "--device-cache" in finished.error and "max tokens" in finished.error
+    assert "prompt does not fit" not in finished.error
+
+
+LONG_ERROR = (
+    "The reply reached the device cache's capacity: its 45 prompt tokens and 499 generated "
+    "tokens fill all 544 tokens the device cache holds, so it stopped here (the text so far "
+    "is kept). To go on, raise --device-cache, or lower the reply's max tokens. END-OF-MESSAGE"
+)
+
+
+async def test_the_tui_shows_a_long_error_whole() -> None:
+    app, _ = fake_app(error_after_tokens=3, error_message=LONG_ERROR)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot, app)
+        await pilot.press(*"hi", "enter")
+        await wait_until(pilot, lambda: transcript_texts(app)[-1:] != [] and
+                         transcript_texts(app)[-1][1] == "error", what="the error")  # fmt: skip
+        await pilot.pause()
+        header = app.transcript.blocks()[-1].header
+        assert header.size.height >= 2  # wrapped, not cut at the transcript's edge
+        shown = " ".join(app.export_screenshot().replace("&#160;", " ").split())
+        assert "END-OF-MESSAGE" in shown
