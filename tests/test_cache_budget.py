@@ -79,3 +79,19 @@ def test_idle_touching_stops_before_the_machine_runs_short_of_memory() -> None:
     short = lambda: TOUCH_RESERVE_BYTES  # noqa: E731
     assert idle.next_touch(store, short) is None
     assert idle.next_touch(store, plenty) is None  # given up for good: written pages fault in
+
+
+async def test_the_tui_exits_2_when_the_cache_does_not_fit() -> None:
+    from kvchat.chat.store import Store
+    from kvchat.tui.app import KvchatApp
+    from kvchat.tui.screens import FailedStartScreen
+    from tests.tui_helpers import wait_until
+
+    def too_big(progress):
+        raise UsageError("the KV cache does not fit in this machine's memory: ...")
+
+    app = KvchatApp(too_big, store_factory=Store.in_memory)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, FailedStartScreen), what="screen")
+        await pilot.press("q")
+    assert app.return_code == 2

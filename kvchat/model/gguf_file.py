@@ -16,6 +16,7 @@ nothing until its tensors are read.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
@@ -376,7 +377,8 @@ def _read_tensor_info(
             "Use a GGUF quantized as F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or a K-quant."
         ) from None
     block, type_size = GGML_BLOCK_SIZES[ggml_type]
-    n_elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    # Python integers: a garbage shape must not wrap around 64 bits into a small size
+    n_elements = math.prod(dims)
     if dims and dims[0] % block:
         raise ValueError(
             f"tensor {name!r} has {dims[0]} columns, not a multiple of its "

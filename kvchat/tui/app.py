@@ -79,7 +79,7 @@ from kvchat.chat.session import MessageView, SessionView
 from kvchat.chat.settings import Settings, save_setting
 from kvchat.chat.store import Store
 from kvchat.engine.api import Residency, SamplingParams
-from kvchat.errors import KvchatError
+from kvchat.errors import KvchatError, UsageError
 from kvchat.paths import app_paths
 from kvchat.tui.backend import BackendFactory, TuiBackend
 from kvchat.tui.composer import Composer
@@ -186,9 +186,10 @@ class BackendReady(Message):
 
 
 class StartFailed(Message):
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, exit_code: int = 1) -> None:
         super().__init__()
         self.text = text
+        self.exit_code = exit_code  # 2: bad input (an option or a setting), as the CLI's
 
 
 class ResidencyReady(Message):
@@ -438,7 +439,7 @@ class KvchatApp(App[int]):
             )
         except KvchatError as exc:
             self._close_backend(backend)
-            self.post_message(StartFailed(str(exc)))
+            self.post_message(StartFailed(str(exc), 2 if isinstance(exc, UsageError) else 1))
             return
         except Exception as exc:
             log_exception("kvchat could not start")
@@ -466,7 +467,7 @@ class KvchatApp(App[int]):
             self.screen.progress(message.line)
 
     def on_start_failed(self, message: StartFailed) -> None:
-        self.exit_code = 1
+        self.exit_code = message.exit_code
         text = message.text
         draft = self.screen.draft if isinstance(self.screen, StartupScreen) else ""
         if draft.strip():  # shown, so that it can be copied: nothing typed is lost
