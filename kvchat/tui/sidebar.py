@@ -74,7 +74,16 @@ def row_fields(index: int, view: SessionView, residency: Residency | None) -> tu
         view.state == "idle",
         "ctx —" if fraction is None else f"ctx {fraction:4.0%}",
         bar_cells(residency),
+        _last_hit(view),
     )
+
+
+def _last_hit(view: SessionView) -> str | None:
+    """The last turn's hit rate, shown where no residency can be drawn (a remote server
+    cannot say where a conversation's prefix lives)."""
+    last = view.last_turn
+    hit = last.hit_rate if last is not None and last.prompt_tokens else None
+    return None if hit is None else f"last hit {hit:.0%}".ljust(BAR_WIDTH)
 
 
 def row_content(index: int, view: SessionView, residency: Residency | None) -> Content:
@@ -82,12 +91,13 @@ def row_content(index: int, view: SessionView, residency: Residency | None) -> C
 
 
 def _content_from_fields(fields: tuple, residency: Residency | None) -> Content:
-    number, unread, title, state, idle, context, _ = fields
+    number, unread, title, state, idle, context, cells, last_hit = fields
     unread_mark = "[$accent]●[/] " if unread else ""
     state_style = "$text-muted" if idle else "$warning"
     head = Content.from_markup(f"[$text-muted]{number}[/] {unread_mark}").append(Content(title))
     line2 = Content.from_markup(f"  [{state_style}]$state[/]", state=state)
-    line3 = Content.assemble("  ", residency_bar(residency), f" {context}")
+    bar = residency_bar(residency) if cells is not None or last_hit is None else Content(last_hit)
+    line3 = Content.assemble("  ", bar, f" {context}")
     return Content("\n").join([head, line2, line3])
 
 
