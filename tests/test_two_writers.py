@@ -145,3 +145,63 @@ def test_a_process_learns_another_wrote_its_session_and_the_next_start_renders_a
     finally:
         again.close()
         engine.close()
+
+
+def test_an_edit_in_one_process_never_deletes_the_other_process_turns(tmp_path) -> None:
+    db = tmp_path / "sessions.sqlite3"
+    first, first_engine = make_service(db)
+    sid = first.create_session("shared")
+    first.say(sid, "first's question")
+    assert first.wait_idle(sid, 10) and first.flush(10)
+    second, second_engine = make_service(db)
+    try:
+        second.say(sid, "second's question")
+        assert second.wait_idle(sid, 10) and second.flush(10)
+        first.regenerate(sid)  # drops and rewrites first's last reply
+        assert first.wait_idle(sid, 10)
+        first.edit_last_user_message(sid, "first's question, edited")
+        assert first.wait_idle(sid, 10)
+        first.set_system_prompt(sid, "Be brief.")
+        assert first.flush(10)
+    finally:
+        for service, engine in ((first, first_engine), (second, second_engine)):
+            assert service.close() is None
+            engine.close()
+    store = Store(db)
+    try:
+        ((_, messages),) = store.load()
+    finally:
+        store.close()
+    assert [(m.role, m.content) for m in messages if m.role != "assistant"] == [
+        ("system", "Be brief."),
+        ("user", "second's question"),
+        ("user", "first's question, edited"),
+    ]
+    assert [m.role for m in messages] == ["system", "user", "assistant", "user", "assistant"]
+
+
+def test_undo_of_a_delete_survives_another_process_purging_it_at_its_start(tmp_path) -> None:
+    db = tmp_path / "sessions.sqlite3"
+    first, first_engine = make_service(db)
+    try:
+        sid = first.create_session("kept after all")
+        first.say(sid, "do not lose me")
+        assert first.wait_idle(sid, 10)
+        first.delete(sid)
+        assert first.flush(10)
+        starting, starting_engine = make_service(db)  # purges what was deleted before it
+        starting.close()
+        starting_engine.close()
+        first.undo_delete(sid)
+        assert first.flush(10)
+    finally:
+        first.close()
+        first_engine.close()
+    again, engine = make_service(db)
+    try:
+        messages = again.messages(sid)
+        assert [m.role for m in messages] == ["user", "assistant"]
+        assert messages[0].content == "do not lose me" and messages[1].content
+    finally:
+        again.close()
+        engine.close()

@@ -163,6 +163,7 @@ class SessionService:
         self._sessions: dict[str, Session] = {}
         self._runtime: dict[str, _Runtime] = {}
         self._focused: str | None = None
+        self._announcing: set[str] = set()  # finished replies being stored, then published
         self._tasks: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._writes = WriteBehind(store)
         self._reported: tuple[str, int] | None = None  # the save failure last published
@@ -372,12 +373,13 @@ class SessionService:
             return session_markdown(self._get(session_id))
 
     def wait_idle(self, session_id: str | None = None, timeout: float | None = None) -> bool:
-        """Block until that session (None: every session) has no reply running or queued."""
+        """Block until that session (None: every session) has no reply running or queued,
+        and its last reply's `ReplyFinished` was published."""
 
         def idle() -> bool:
             if session_id is not None:
-                return not self._runtime[session_id].busy
-            return not any(r.busy for r in self._runtime.values())
+                return not self._runtime[session_id].busy and session_id not in self._announcing
+            return not any(r.busy for r in self._runtime.values()) and not self._announcing
 
         with self._idle:
             if session_id is not None:
@@ -524,7 +526,8 @@ class SessionService:
         with self._lock:
             session = self._get(session_id)
             session.deleted_at = None
-            self._persist(session)
+            # every message again: another kvchat starting meanwhile purged the deleted rows
+            self._persist(session, session.messages)
         self._publish([SessionDeleted(session_id, False)])
 
     def set_sampling(
@@ -890,8 +893,18 @@ class SessionService:
                     )
                 )
                 events.extend(self._start_next_queued(session_id))
-                self._idle.notify_all()
-        self._publish(events)
+                self._announcing.add(session_id)
+        try:
+            if any(isinstance(e, ReplyFinished) for e in events):
+                # stored before anyone is told: a reply printed or shown as finished
+                # survives a kill -9 the moment after
+                self._drain()
+            self._publish(events)
+        finally:
+            if isinstance(event, RequestFinished):
+                with self._idle:
+                    self._announcing.discard(session_id)
+                    self._idle.notify_all()
 
     def _finish(
         self,
