@@ -15,12 +15,17 @@ from kvchat.engine.api import (
     FinishReason,
     GenerationRequest,
     RequestFinished,
-    SamplingParams,
     TokenGenerated,
 )
 from kvchat.errors import KvchatError, UsageError
 from kvchat.remote.options import remote_options
-from kvchat.runtime import describe_cache, read_settings, resolve_options, start_engine
+from kvchat.runtime import (
+    OpenedBackend,
+    describe_cache,
+    open_chat_backend,
+    read_settings,
+    resolve_options,
+)
 
 
 def run_ask(args: argparse.Namespace) -> int:
@@ -30,22 +35,21 @@ def run_ask(args: argparse.Namespace) -> int:
         )
     settings = read_settings()
     options = resolve_options(args, settings)
-    if getattr(args, "temperature", None) is None:
-        options = type(options)(**{**options.__dict__, "temperature": 0.0})
 
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
     remote = remote_options(args, settings)
+    backend = open_chat_backend(options, settings, progress, greedy=True, remote=remote)
     if remote is not None:
-        return _ask_remote(args, remote, options, progress)
-    model, engine = start_engine(options, progress)
+        return _ask_remote(args, backend, options.max_tokens or 512)
+    engine = backend.chat.engine
     progress(describe_cache(engine))
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
     messages.append({"role": "user", "content": args.question})
-    prompt = model.renderer.prompt_ids(messages)
+    prompt = backend.chat.renderer.prompt_ids(messages)
     max_tokens = options.max_tokens or 512
     if len(prompt) + 1 >= engine.context_length:
         engine.close()
@@ -64,8 +68,8 @@ def run_ask(args: argparse.Namespace) -> int:
             result.append(event)
             done.set()
 
-    sampling = SamplingParams(temperature=options.temperature or 0.0, top_p=1.0, seed=options.seed)
-    request_id = engine.submit(GenerationRequest(tuple(prompt), sampling, max_tokens), on_event)
+    request = GenerationRequest(tuple(prompt), backend.sampling, max_tokens)
+    request_id = engine.submit(request, on_event)
     try:
         while not done.wait(0.2):
             pass
@@ -84,14 +88,11 @@ def run_ask(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ask_remote(args, remote, options, progress) -> int:
+def _ask_remote(args, backend: OpenedBackend, max_tokens: int) -> int:
     """The same answer from an OpenAI-compatible server: one turn through its `TurnPort`."""
     from kvchat.chat.engine_port import Turn
-    from kvchat.remote import open_remote_backend
 
-    backend = open_remote_backend(remote)
-    engine = backend.engine
-    progress(engine.connected_line())
+    engine = backend.chat.engine
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -107,8 +108,7 @@ def _ask_remote(args, remote, options, progress) -> int:
             result.append(event)
             done.set()
 
-    sampling = SamplingParams(temperature=options.temperature or 0.0, top_p=1.0, seed=options.seed)
-    turn = Turn("ask", tuple(messages), (), sampling, options.max_tokens or 512)
+    turn = Turn("ask", tuple(messages), (), backend.sampling, max_tokens)
     request_id = engine.submit_turn(turn, on_event)
     try:
         while not done.wait(0.2):

@@ -274,39 +274,31 @@ class _Runner:
 
 def main(args) -> int:
     """`kvchat run SCRIPT`: the command line's options, then `run_script`."""
-    from kvchat.engine.api import SamplingParams as _Sampling
     from kvchat.remote.options import remote_options
-    from kvchat.runtime import read_settings, resolve_options, start_engine
+    from kvchat.runtime import greedy_sampling, open_chat_backend, read_settings, resolve_options
 
     settings = read_settings()
     options = resolve_options(args, settings)
     remote = remote_options(args, settings)
-    engines: list = []
+    opened: list = []
+
+    def progress(message: str) -> None:
+        print(message, file=sys.stderr)
 
     def services() -> ChatBackend:
-        if remote is not None:
-            from kvchat.remote import open_remote_backend
+        backend = open_chat_backend(options, settings, progress, greedy=True, remote=remote)
+        opened.append(backend)
+        return backend.chat
 
-            backend = open_remote_backend(remote)
-            engines.append(backend.engine)
-            print(backend.engine.connected_line(), file=sys.stderr)
-            return backend
-        model, engine = start_engine(options, progress=lambda m: print(m, file=sys.stderr))
-        engines.append(engine)
-        return ChatBackend(engine, model.renderer, frozenset(model.tokenizer.stop_token_ids))
-
-    # Greedy unless the command line says otherwise (the settings' chat temperature is for the TUI).
-    temperature = args.temperature if args.temperature is not None else 0.0
-    sampling = _Sampling(temperature=temperature, top_p=1.0, seed=options.seed)
     try:
         return run_script(
             args.script,
             stream=args.stream,
             save=args.save,
             services=services,
-            sampling=sampling,
+            sampling=greedy_sampling(options),  # known before the model loads
             max_tokens=args.max_tokens or 512,
         )
     finally:
-        for engine in engines:
-            engine.close()
+        for backend in opened:
+            backend.close()

@@ -1,7 +1,9 @@
 """Turn command-line options and the settings file into a loaded model and a running engine.
 
 Precedence: a command-line option, then the settings file, then kvchat's default.
-Shared by the TUI, `ask`, `run` and `bench` so each option means one thing everywhere.
+Shared by the TUI, `ask`, `run` and `bench` so each option means one thing everywhere;
+`open_chat_backend` is the one place a chat backend (engine and sampling defaults) is
+opened.
 """
 
 from __future__ import annotations
@@ -10,10 +12,16 @@ import argparse
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from kvchat.chat.engine_port import ChatBackend
 from kvchat.chat.settings import MIN_PAGE_SIZE, Settings, is_page_size, load_settings
+from kvchat.engine.api import SamplingParams
 from kvchat.errors import KvchatError, UsageError
 from kvchat.units import parse_size
+
+if TYPE_CHECKING:
+    from kvchat.remote.server import RemoteOptions
 
 
 @dataclass(frozen=True)
@@ -180,6 +188,83 @@ def check_cache_budget(model, options: RuntimeOptions, ram_before_load: int) -> 
         check_cpu_budget(request, model.transformer.weight_bytes(), ram_before_load)
     else:
         check_gpu_budget(request, available_memory(device), available_memory(torch.device("cpu")))
+
+
+def greedy_sampling(options: RuntimeOptions) -> SamplingParams:
+    """`run` and `ask`: greedy unless the command line sets a temperature.
+
+    The settings file's temperature is the TUI's chat default, so it does not count here.
+    """
+    from_command_line = options.sources.get("temperature") == _flag("temperature")
+    temperature = options.temperature if from_command_line else None
+    return SamplingParams(temperature=temperature or 0.0, top_p=1.0, seed=options.seed)
+
+
+def chat_sampling(
+    options: RuntimeOptions, settings: Settings, generation_defaults: Mapping[str, float]
+) -> SamplingParams:
+    """The TUI's defaults: the model's generation config, then the options and settings."""
+    defaults = dict(generation_defaults)
+    if options.temperature is not None:
+        defaults["temperature"] = options.temperature
+    if settings.top_p is not None:
+        defaults["top_p"] = settings.top_p
+    return SamplingParams(
+        temperature=float(defaults.get("temperature", 0.7)),
+        top_p=float(defaults.get("top_p", 0.9)),
+        top_k=int(defaults.get("top_k", 0)),
+        min_p=float(defaults.get("min_p", 0.0)),
+        repetition_penalty=float(defaults.get("repetition_penalty", 1.0)),
+        seed=options.seed,
+    )
+
+
+@dataclass(frozen=True)
+class OpenedBackend:
+    """A chat backend ready for the session layer, with the sampling its command defaults to."""
+
+    chat: ChatBackend
+    sampling: SamplingParams
+    describe: Callable[[], str]  # one line about the model and its cache (never raises)
+    close: Callable[[], None]  # stops the engine or closes the connection
+
+
+def open_chat_backend(
+    options: RuntimeOptions,
+    settings: Settings,
+    progress: Callable[[str], None],
+    *,
+    greedy: bool,
+    remote: RemoteOptions | None = None,
+) -> OpenedBackend:
+    """The one way `ask`, `run` and the TUI open a chat backend: engine and sampling defaults.
+
+    The embedded engine (the model loaded, its engine started), or with `remote` an
+    OpenAI-compatible server. `greedy` for the scripted commands (`greedy_sampling`),
+    else the chat defaults (`chat_sampling`). Raises `KvchatError` saying what to do.
+    """
+    if remote is not None:
+        from kvchat.remote import open_remote_backend
+
+        chat = open_remote_backend(remote)
+        server = chat.engine
+        progress(server.connected_line())
+        sampling = greedy_sampling(options) if greedy else chat_sampling(options, settings, {})
+        return OpenedBackend(chat, sampling, server.cache_note, server.close)
+    model, engine = start_engine(options, progress)
+    chat = ChatBackend(engine, model.renderer, frozenset(model.tokenizer.stop_token_ids))
+    if greedy:
+        sampling = greedy_sampling(options)
+    else:
+        sampling = chat_sampling(options, settings, model.generation_defaults)
+
+    def describe() -> str:
+        try:
+            return f"{model.name}: {describe_cache(engine)}"
+        except Exception:  # a line of information must never stop the start
+            return model.name
+
+    return OpenedBackend(chat, sampling, describe, engine.close)
 
 
 def describe_cache(engine) -> str:

@@ -42,62 +42,18 @@ def start_real_backend(
     Raises `KvchatError` (e.g. `ModelLoadError`) with a message saying what to do.
     """
     from kvchat.remote.options import remote_options
-    from kvchat.runtime import describe_cache, resolve_options, start_engine
+    from kvchat.runtime import open_chat_backend, resolve_options
 
     options = resolve_options(args, settings)
     remote = remote_options(args, settings)
     if remote is not None:
-        return _start_remote_backend(remote, options, settings, progress)
-    model, engine = start_engine(options, progress)
-    defaults = dict(model.generation_defaults)
-    if options.temperature is not None:
-        defaults["temperature"] = options.temperature
-    if settings.top_p is not None:
-        defaults["top_p"] = settings.top_p
-    sampling = SamplingParams(
-        temperature=float(defaults.get("temperature", 0.7)),
-        top_p=float(defaults.get("top_p", 0.9)),
-        top_k=int(defaults.get("top_k", 0)),
-        min_p=float(defaults.get("min_p", 0.0)),
-        repetition_penalty=float(defaults.get("repetition_penalty", 1.0)),
-        seed=options.seed,
-    )
-    chat = ChatBackend(engine, model.renderer, frozenset(model.tokenizer.stop_token_ids))
-
-    def describe() -> str:
-        try:
-            return f"{model.name}: {describe_cache(engine)}"
-        except Exception:  # a line of information must never stop the start
-            return model.name
-
+        progress(f"Connecting to {remote.url} ...")
+    backend = open_chat_backend(options, settings, progress, greedy=False, remote=remote)
     return TuiBackend(
-        chat=chat,
-        default_sampling=sampling,
+        chat=backend.chat,
+        default_sampling=backend.sampling,
         default_max_tokens=options.max_tokens or settings.max_tokens,
-        description=describe(),
-        describe=describe,
-        close=engine.close,
-    )
-
-
-def _start_remote_backend(remote, options, settings: Settings, progress: Progress) -> TuiBackend:
-    """Connect to an OpenAI-compatible server; the meters' note shows its own figures."""
-    from kvchat.remote import open_remote_backend
-
-    progress(f"Connecting to {remote.url} ...")
-    chat = open_remote_backend(remote)
-    engine = chat.engine
-    progress(engine.connected_line())
-    sampling = SamplingParams(
-        temperature=0.7 if options.temperature is None else options.temperature,
-        top_p=0.9 if settings.top_p is None else settings.top_p,
-        seed=options.seed,
-    )
-    return TuiBackend(
-        chat=chat,
-        default_sampling=sampling,
-        default_max_tokens=options.max_tokens or settings.max_tokens,
-        description=engine.cache_note(),
-        describe=engine.cache_note,
-        close=engine.close,
+        description=backend.describe(),
+        describe=backend.describe,
+        close=backend.close,
     )
