@@ -10,7 +10,7 @@ the report unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -105,3 +105,26 @@ class SpeedPeer(Protocol):
     def batch(self, prompts: Sequence[Sequence[int]], tokens_each: int) -> BatchResult: ...
 
     def close(self) -> None: ...
+
+
+def measure_speed(
+    prefill_seconds: Callable[[Sequence[int]], float],
+    decode_span: Callable[[Sequence[int], int], tuple[float, float, int]],
+    prompt_ids: Sequence[int],
+    prefill_lengths: Sequence[int],
+    decode_prompt: int,
+    decode_tokens: int,
+) -> SpeedResult:
+    """The speed workload, measured the same way for every peer.
+
+    Each prefill length runs once to set its shape up, then once timed
+    (`prefill_seconds`). Then one batch-1 generation of `decode_tokens` after
+    `decode_prompt` tokens: `decode_span` gives (time of the first token, time of
+    the last, tokens generated), and the rate counts the tokens after the first.
+    """
+    prefill: dict[int, float] = {}
+    for n in prefill_lengths:
+        prefill_seconds(prompt_ids[:n])  # the first call of a shape sets it up
+        prefill[n] = n / prefill_seconds(prompt_ids[:n])
+    first, last, tokens = decode_span(prompt_ids[:decode_prompt], decode_tokens)
+    return SpeedResult(prefill, (tokens - 1) / (last - first) if tokens > 1 else 0.0)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvchat.bench.peers.base import BatchResult, PeerUnavailable, SpeedResult
+from kvchat.bench.peers.base import BatchResult, PeerUnavailable, SpeedResult, measure_speed
 from kvchat.model.device import dtype_name
 
 INSTALL_HINT = "install the bench extra: pip install 'kvchat[bench]'"
@@ -134,14 +134,18 @@ class HfModel:
         decode_prompt: int,
         decode_tokens: int,
     ) -> SpeedResult:
-        prefill = {}
-        for n in prefill_lengths:
-            self._prefill_seconds(prompt_ids[:n])  # the first call of a shape sets it up
-            prefill[n] = n / self._prefill_seconds(prompt_ids[:n])
-        start_first, _ = self.generate(prompt_ids[:decode_prompt], decode_tokens)
-        end = time.perf_counter()
-        decode = (decode_tokens - 1) / (end - start_first) if decode_tokens > 1 else 0.0
-        return SpeedResult(prefill, decode)
+        return measure_speed(
+            self._prefill_seconds,
+            self._decode_span,
+            prompt_ids,
+            prefill_lengths,
+            decode_prompt,
+            decode_tokens,
+        )
+
+    def _decode_span(self, ids: Sequence[int], tokens: int) -> tuple[float, float, int]:
+        start_first, _ = self.generate(ids, tokens)
+        return start_first, time.perf_counter(), tokens
 
     def _prefill_seconds(self, ids: Sequence[int]) -> float:
         input_ids = torch.tensor([list(ids)], device=self.device)

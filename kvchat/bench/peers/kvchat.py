@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvchat.bench.peers.base import BatchResult, SpeedResult, TurnResult
+from kvchat.bench.peers.base import BatchResult, SpeedResult, TurnResult, measure_speed
 from kvchat.chat.events import ReplyDelta, ReplyFinished, SessionFailed
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
@@ -255,27 +255,33 @@ class KvchatPeer:
         decode_prompt: int,
         decode_tokens: int,
     ) -> SpeedResult:
-        prefill = {}
-        for n in prefill_lengths:
-            self._prefill_seconds(list(prompt_ids[:n]))  # the first call of a shape sets it up
-            prefill[n] = n / self._prefill_seconds(list(prompt_ids[:n]))
-        config = self.config(decode_prompt + decode_tokens + 64)
+        return measure_speed(
+            self._prefill_seconds,
+            self._decode_span,
+            prompt_ids,
+            prefill_lengths,
+            decode_prompt,
+            decode_tokens,
+        )
+
+    def _decode_span(self, ids: Sequence[int], tokens: int) -> tuple[float, float, int]:
+        """One greedy generation on a fresh engine (after a short warm-up request)."""
+        config = self.config(len(ids) + tokens + 64)
         with fresh_engine(self.model, config) as engine:
             warm = _Stream()
-            warm_up = GenerationRequest(tuple(prompt_ids[:32]), GREEDY, 4, ignore_eos=True)
+            warm_up = GenerationRequest(tuple(ids[:32]), GREEDY, 4, ignore_eos=True)
             engine.submit(warm_up, warm)
             warm.wait(engine)
             stream = _Stream()
-            request = GenerationRequest(
-                tuple(prompt_ids[:decode_prompt]), GREEDY, decode_tokens, ignore_eos=True
-            )
+            request = GenerationRequest(tuple(ids), GREEDY, tokens, ignore_eos=True)
             engine.submit(request, stream)
             stream.wait(engine)
         t = stream.times
-        return SpeedResult(prefill, (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 else 0.0)
+        return (t[0], t[-1], len(t)) if t else (0.0, 0.0, 0)
 
-    def _prefill_seconds(self, ids: list[int]) -> float:
+    def _prefill_seconds(self, ids: Sequence[int]) -> float:
         """One forward over `ids` into a fresh paged cache, logits of the last token only."""
+        ids = list(ids)
         t = self.model.transformer
         c = self.model.config
         ps = self.page_size

@@ -30,6 +30,7 @@ from kvchat.bench.peers.base import (
     PeerUnavailable,
     SpeedResult,
     TurnResult,
+    measure_speed,
 )
 from kvchat.engine.token_ids import common_prefix
 
@@ -146,20 +147,27 @@ class LlamaCppPeer:
         decode_prompt: int,
         decode_tokens: int,
     ) -> SpeedResult:
-        prefill: dict[int, float] = {}
-        for n in prefill_lengths:
-            self.llm.reset()
-            self.llm.eval(list(prompt_ids[:n]))  # the first call of a shape sets it up
-            self.llm.reset()
-            start = time.perf_counter()
-            self.llm.eval(list(prompt_ids[:n]))
-            prefill[n] = n / (time.perf_counter() - start)
+        return measure_speed(
+            self._prefill_seconds,
+            self._decode_span,
+            prompt_ids,
+            prefill_lengths,
+            decode_prompt,
+            decode_tokens,
+        )
+
+    def _prefill_seconds(self, ids: Sequence[int]) -> float:
         self.llm.reset()
-        first, out = self.generate(prompt_ids[:decode_prompt], decode_tokens)
+        start = time.perf_counter()
+        self.llm.eval(list(ids))
+        return time.perf_counter() - start
+
+    def _decode_span(self, ids: Sequence[int], tokens: int) -> tuple[float, float, int]:
+        self.llm.reset()
+        first, out = self.generate(ids, tokens)
         end = time.perf_counter()
-        decode = (len(out) - 1) / (end - first) if len(out) > 1 else 0.0
         self.llm.reset()
-        return SpeedResult(prefill, decode)
+        return first, end, len(out)
 
     def batch(self, prompts: Sequence[Sequence[int]], tokens_each: int) -> BatchResult:
         raise NotApplicable(
