@@ -59,8 +59,8 @@ json_values = st.recursive(
     max_leaves=6,
 )
 KEYS = ["op", "session", "text", "file", "system", "title", "max_tokens", "temperature",
-        "top_p", "top_k", "min_p", "seed", "ignore_eos"]  # fmt: skip
-OPS = ["new", "say", "wait", "stop", "switch", "stats", "nope", ""]
+        "top_p", "top_k", "min_p", "seed", "ignore_eos", "seconds"]  # fmt: skip
+OPS = ["new", "say", "draft", "pause", "wait", "stop", "switch", "stats", "nope", ""]
 script_objects = st.dictionaries(
     st.sampled_from(KEYS) | st.text(max_size=8),
     st.sampled_from(OPS) | st.sampled_from(["a", "b", "doc.txt", "/etc/hostname"]) | json_values,
