@@ -110,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--repeats", type=int, default=None)
     bench.add_argument(
+        "--llama-server", metavar="PATH", help="a llama-server binary, measured as a peer"
+    )
+    bench.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        help="the Python of a venv with vLLM installed, measured as a peer",
+    )
+    bench.add_argument(
         "--out",
         default=None,
         help="folder for the JSON, Markdown and PNG (default: benchmarks/runs/DATE-CPU, "
@@ -182,10 +190,7 @@ def _refuse_embedded_flags(args: argparse.Namespace) -> str | None:
     """Why the command line mixes a remote server with the embedded engine's flags, or None."""
     if not hasattr(args, "engine"):
         return None
-    if args.command == "bench":  # measures the embedded engine (a server's settings aside)
-        engine = (args.engine or "embedded").strip().lower()
-        if engine != "embedded":
-            return "bench measures the embedded engine; --engine URL is for chat, run and ask"
+    if args.command == "bench":  # the embedded engine always runs; a server is a peer beside it
         return None
     from kvchat.errors import KvchatError
     from kvchat.remote.options import embedded_flag_given, remote_options

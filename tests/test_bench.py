@@ -137,8 +137,8 @@ def test_report_files_and_markdown_name_the_machine_and_every_engine(bench):
 def test_unknown_workloads_and_peers_are_user_errors():
     with pytest.raises(KvchatError, match="W9"):
         parse_workloads("speed,W9")
-    with pytest.raises(KvchatError, match="vllm"):
-        parse_peers("vllm")
+    with pytest.raises(KvchatError, match="sglang"):
+        parse_peers("sglang")
     assert parse_workloads("w1, Sweep") == ["W1", "sweep"]
     assert parse_peers("transformers") == ["transformers-naive", "transformers-cache"]
     assert parse_peers("none") == []

@@ -114,6 +114,17 @@ def test_remote_stats_json_keeps_every_key_with_nulls_and_names_the_engine() -> 
     assert reported["hit_rate"] == pytest.approx(0.4)
 
 
-def test_bench_on_a_server_is_refused_as_bad_input(capsys) -> None:
-    assert main(["bench", "--engine", "http://127.0.0.1:9/v1"]) == 2
-    assert "bench measures the embedded engine" in capsys.readouterr().err
+def test_bench_serving_peers_are_skipped_with_their_reason_without_a_path(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from kvchat.bench.runner import load_peers, parse_peers
+
+    assert parse_peers("vllm,llama-server") == ["llama-server", "vllm"]
+    model = SimpleNamespace(source=tmp_path / "m.gguf")
+    chat, speed, skipped = load_peers(["llama-server", "vllm"], model, print, {})
+    assert chat == {} and speed == {}
+    assert "give --llama-server PATH" in skipped["llama-server"]
+    assert "give --vllm-python PATH" in skipped["vllm"]
+    missing = {"llama-server": str(tmp_path / "nothing")}
+    _, _, skipped = load_peers(["llama-server"], model, print, missing)
+    assert skipped["llama-server"] == f"no llama-server at {tmp_path / 'nothing'}"

@@ -38,7 +38,7 @@ from kvchat.errors import KvchatError
 from kvchat.model.device import dtype_name
 
 DENSE_NAME = "kvchat-dense"
-PEER_NAMES = ("transformers-naive", "transformers-cache", "llama.cpp")
+PEER_NAMES = ("transformers-naive", "transformers-cache", "llama.cpp", "llama-server", "vllm")
 PEER_ALIASES: dict[str, tuple[str, ...]] = {
     "transformers": ("transformers-naive", "transformers-cache"),
     "hf": ("transformers-naive", "transformers-cache"),
@@ -85,11 +85,24 @@ def parse_peers(text: str | None) -> list[str]:
     return [n for n in PEER_NAMES if n in picked]
 
 
-def load_peers(names: list[str], model, progress) -> tuple[dict, dict, dict[str, str]]:
-    """(chat peers, speed peers, skipped name -> reason) for the requested peer names."""
+def load_peers(
+    names: list[str], model, progress, servers: dict[str, str | None] | None = None
+) -> tuple[dict, dict, dict[str, str]]:
+    """(chat peers, speed peers, skipped name -> reason) for the requested peer names.
+
+    `servers` maps "llama-server" and "vllm" to the paths `--llama-server` and
+    `--vllm-python` gave (a serving engine is a peer only where its path is given).
+    """
     chat: dict[str, object] = {}
     speed: dict[str, object] = {}
     skipped: dict[str, str] = {}
+    servers = servers or {}
+    for name in ("llama-server", "vllm"):
+        if name in names:
+            try:
+                chat[name] = _serving_peer(name, servers.get(name), model, progress)
+            except PeerUnavailable as exc:
+                skipped[name] = str(exc)
     hf_names = [n for n in names if n.startswith("transformers-")]
     if hf_names:
         from kvchat.bench.peers.hf_model import HfModel
@@ -118,6 +131,29 @@ def load_peers(names: list[str], model, progress) -> tuple[dict, dict, dict[str,
             chat["llama.cpp"] = llama
             speed["llama.cpp"] = llama
     return chat, speed, skipped
+
+
+def _serving_peer(name: str, path: str | None, model, progress):
+    from kvchat.bench.peers.serving import LlamaServerPeer, VllmPeer
+
+    flag = "--llama-server" if name == "llama-server" else "--vllm-python"
+    if not path:
+        return _raise(f"give {flag} PATH to measure it (benchmarks/servers/ builds one)")
+    source = Path(str(model.source))
+    if name == "llama-server":
+        return LlamaServerPeer(Path(path), source, progress)
+    folder = source
+    if source.suffix.lower() == ".gguf":
+        from kvchat.bench.peers.hf_folder import hf_folder_of
+        from kvchat.paths import app_paths
+
+        progress(f"Writing a Hugging Face folder of {source.name} for vLLM (once)...")
+        folder = hf_folder_of(source, app_paths().models_dir / f"{source.stem}-hf")
+    return VllmPeer(Path(path), folder, progress)
+
+
+def _raise(message: str):
+    raise PeerUnavailable(message)
 
 
 def _load(options, weights: str, progress):
@@ -173,6 +209,7 @@ def _command(args) -> str:
 
 
 def main(args) -> int:
+    from kvchat.remote.options import remote_options
     from kvchat.runtime import read_settings, resolve_options
 
     def progress(message: str) -> None:
@@ -195,7 +232,22 @@ def main(args) -> int:
         progress("Loading kvchat with dense weights too, for the same-dtype speed comparison...")
         dense_model = _load(options, "bf16", progress)
         variants[DENSE_NAME] = _kvchat_peer(dense_model, options, DENSE_NAME, "dense")
-    chat_peers, speed_peers, skipped = load_peers(peer_names, model, progress)
+    servers = {
+        "llama-server": getattr(args, "llama_server", None),
+        "vllm": getattr(args, "vllm_python", None),
+    }
+    chat_peers, speed_peers, skipped = load_peers(peer_names, model, progress, servers)
+    remote = None
+    if getattr(args, "engine", None):  # on the command line only: a settings file's is for chat
+        remote = remote_options(args, read_settings(progress))
+    if remote is not None:  # kvchat's own sessions on that server, beside the embedded engine
+        from kvchat.bench.peers.kvchat_remote import KvchatRemotePeer
+
+        try:
+            peer = KvchatRemotePeer(remote, progress)
+            chat_peers[peer.name] = peer
+        except PeerUnavailable as exc:
+            skipped["kvchat@server"] = str(exc)
     for name, why in skipped.items():
         progress(f"kvchat bench: skipping {name}: {why}")
     ctx = BenchContext(model, plan, kvchat, chat_peers, speed_peers, variants, progress)

@@ -1,0 +1,210 @@
+"""Serving engines as bench peers: llama-server and vLLM on 127.0.0.1, over the OpenAI API.
+
+These are what a user would run instead of kvchat: llama-server with four slots
+and its RAM prompt cache, vLLM (its CPU build) with prefix caching. The bench
+starts each one itself (`--llama-server PATH`, `--vllm-python PATH`) on a free
+port, waits until it answers, and stops it by its PID. A chat sends each
+session's whole conversation, as any OpenAI client does, and the server finds
+the cached prefix; the turn's prefilled tokens are the prompt less the server's
+own `cached_tokens`. Every chat starts with nothing cached: llama-server is
+restarted (it starts in about a second), vLLM's prefix cache is reset.
+TTFT is taken from the request to the first streamed text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvchat.bench.peers.base import PeerUnavailable, TurnResult
+
+SERVED_NAME = "bench"
+READY_TIMEOUT_S = 600.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Process:
+    """A server process in its own process group, ready once `/v1/models` answers."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int) -> None:
+        self.name, self.port = name, port
+        self.log = Path(tempfile.mkstemp(prefix=f"kvchat-bench-{name}-", suffix=".log")[1])
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                tail = self.log.read_text(errors="replace").strip().splitlines()[-3:]
+                raise PeerUnavailable(f"{name} exited at start: {' | '.join(tail)}")
+            try:
+                url = f"http://127.0.0.1:{port}/v1/models"
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise PeerUnavailable(f"{name} was not ready after {READY_TIMEOUT_S:.0f} s")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+
+
+@dataclass
+class _Session:
+    messages: list[dict[str, str]] = field(default_factory=list)
+    seen: int = 0  # the previous turn's prompt + reply, in tokens
+
+
+class ServerChat:
+    """Sessions as an OpenAI client keeps them: the whole conversation every turn."""
+
+    def __init__(self, port: int, model: str = SERVED_NAME) -> None:
+        import openai
+
+        self.model = model
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+
+    def new_session(self) -> _Session:
+        return _Session()
+
+    def turn(self, session: object, text: str, max_tokens: int) -> TurnResult:
+        assert isinstance(session, _Session)
+        session.messages.append({"role": "user", "content": text})
+        start = time.perf_counter()
+        first: float | None = None
+        parts: list[str] = []
+        usage = None
+        stream = self.client.chat.completions.create(
+            model=self.model,
+            messages=session.messages,
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=max_tokens,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if choice.delta and choice.delta.content:
+                    if first is None:
+                        first = time.perf_counter()
+                    parts.append(choice.delta.content)
+        end = time.perf_counter()
+        session.messages.append({"role": "assistant", "content": "".join(parts)})
+        prompt = int(getattr(usage, "prompt_tokens", 0) or 0)
+        generated = int(getattr(usage, "completion_tokens", 0) or 0)
+        details = getattr(usage, "prompt_tokens_details", None)
+        cached = int(getattr(details, "cached_tokens", 0) or 0) if details else 0
+        new = max(0, prompt - session.seen)
+        session.seen = prompt + generated
+        return TurnResult(
+            ttft_s=(first or end) - start,
+            total_s=end - start,
+            prompt_tokens=prompt,
+            prefilled_tokens=prompt - cached,
+            new_tokens=new,
+            generated_tokens=generated,
+        )
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+
+class LlamaServerPeer:
+    """llama-server with 4 slots (`-np 4`) and its RAM prompt cache (on by default)."""
+
+    name = "llama-server"
+
+    def __init__(self, binary: Path, gguf: Path, progress) -> None:
+        if not binary.is_file():
+            raise PeerUnavailable(f"no llama-server at {binary}")
+        if gguf.suffix.lower() != ".gguf":
+            raise PeerUnavailable("llama-server serves GGUF files; the model is not one")
+        self.binary, self.gguf, self.progress = binary, gguf, progress
+        self.description = f"llama-server -np 4 (RAM prompt cache on), {gguf.name}"
+        self.server: _Process | None = None
+
+    def chat(self, capacity_tokens: int) -> ServerChat:
+        self.close()  # a fresh chat: nothing cached
+        port = _free_port()
+        ctx = max(32768, 4 * capacity_tokens)  # four slots share the context
+        argv = [
+            str(self.binary),
+            *("-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(port)),
+            *("-np", "4", "-c", str(ctx), "--alias", SERVED_NAME, "-t", str(os.cpu_count() or 1)),
+        ]
+        env = dict(os.environ, LD_LIBRARY_PATH=str(self.binary.parent))
+        self.server = _Process(self.name, argv, env, port)
+        return ServerChat(port)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+class VllmPeer:
+    """vLLM's CPU build with prefix caching, eager, bf16; started once, its cache reset per chat."""
+
+    name = "vllm"
+
+    def __init__(self, python: Path, model_folder: Path, progress) -> None:
+        if not python.is_file():
+            raise PeerUnavailable(f"no Python at {python}")
+        progress("Starting vLLM for the bench (about a minute)...")
+        self.port = _free_port()
+        argv = [
+            str(python),
+            *("-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder)),
+            *("--host", "127.0.0.1", "--port", str(self.port)),
+            *("--served-model-name", SERVED_NAME, "--enable-prefix-caching"),
+            *("--enable-prompt-tokens-details", "--enforce-eager", "--max-model-len", "8192"),
+        ]
+        env = dict(
+            os.environ,
+            HF_HUB_OFFLINE="1",
+            VLLM_SERVER_DEV_MODE="1",  # for /reset_prefix_cache
+            VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+        )
+        self.server = _Process(self.name, argv, env, self.port)
+        self.description = "vLLM (CPU build), prefix caching, bf16, eager"
+
+    def chat(self, capacity_tokens: int) -> ServerChat:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/reset_prefix_cache", method="POST"
+        )
+        with contextlib.suppress(urllib.error.URLError, OSError):
+            urllib.request.urlopen(request, timeout=30).close()
+        return ServerChat(self.port)
+
+    def close(self) -> None:
+        self.server.stop()
