@@ -97,10 +97,14 @@ def vllm_python() -> Path:
 
 def vllm_model_folder(gguf: Path) -> Path:
     out = SERVERS / "models" / gguf.name.split(".")[0]
+    # in a child process: transformers' memory is not kept by the test run
+    code = "import sys\nfrom kvchat.bench.peers.hf_folder import hf_folder_of\n"
+    code += "hf_folder_of(*sys.argv[1:])"
     done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "hf_from_gguf.py"), str(gguf), str(out)],
+        [sys.executable, "-c", code, str(gguf), str(out)],
         capture_output=True,
         text=True,
+        cwd=ROOT,
     )
     if done.returncode != 0:
         raise Unavailable(f"could not write the model folder for vLLM: {done.stderr[-300:]}")

@@ -1,6 +1,6 @@
 """Writes a Hugging Face folder of a GGUF model, for servers that load only such folders (vLLM).
 
-    python benchmarks/servers/hf_from_gguf.py MODEL.gguf OUT_DIR
+    python benchmarks/servers/hf_from_gguf.py MODEL.gguf OUT_DIR   (with kvchat installed)
 
 Skips the work when OUT_DIR already holds a finished copy (kvchat/bench/peers/hf_folder.py).
 """

@@ -14,8 +14,9 @@ from pathlib import Path
 from kvchat.bench.peers.base import PeerUnavailable
 
 
-def hf_folder_of(gguf: Path, out: Path) -> Path:
+def hf_folder_of(gguf: Path | str, out: Path | str) -> Path:
     """`out`, written from `gguf` unless a finished copy is there; PeerUnavailable if not."""
+    gguf, out = Path(gguf), Path(out)
     if (out / "config.json").exists():
         return out
     try:
