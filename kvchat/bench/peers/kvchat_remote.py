@@ -74,6 +74,7 @@ class KvchatRemoteChat:
             new_tokens=max(0, new),
             generated_tokens=stats.generated_tokens,
             engine_ttft_s=stats.ttft_s,
+            text=event.text,
         )
 
     def close(self) -> None:

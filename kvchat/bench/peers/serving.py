@@ -118,7 +118,8 @@ class ServerChat:
                         first = time.perf_counter()
                     parts.append(choice.delta.content)
         end = time.perf_counter()
-        session.messages.append({"role": "assistant", "content": "".join(parts)})
+        reply = "".join(parts)
+        session.messages.append({"role": "assistant", "content": reply})
         prompt = int(getattr(usage, "prompt_tokens", 0) or 0)
         generated = int(getattr(usage, "completion_tokens", 0) or 0)
         details = getattr(usage, "prompt_tokens_details", None)
@@ -132,6 +133,7 @@ class ServerChat:
             prefilled_tokens=prompt - cached,
             new_tokens=new,
             generated_tokens=generated,
+            text=reply,
         )
 
     def close(self) -> None:
