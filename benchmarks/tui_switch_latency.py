@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvchat.engine.engine import freeze_long_lived_objects
-from tests.tui_helpers import fake_app, ready, wait_until
+from kvchat.testing.tui import fake_app, ready, wait_until
 
 
 async def measure(sessions: int, switches: int) -> list[float]:

@@ -40,10 +40,10 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.request import SamplingParams
 from kvchat.model.loader import load_model
 from kvchat.native import build
+from kvchat.testing.tui import ready, wait_until
 from kvchat.tui import transcript
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.backend import TuiBackend
-from tests.tui_helpers import ready, wait_until
 
 SESSIONS, TOKENS = 8, 128
 GREEDY = SamplingParams(temperature=0.0)

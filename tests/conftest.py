@@ -22,8 +22,8 @@ import platformdirs
 import pytest
 
 from tests.servers import llama_server, vllm_server  # noqa: F401  (fixtures, started once a run)
-
-TEST_CACHE = Path(os.environ.get("KVCHAT_TEST_CACHE", Path.home() / ".cache" / "kvchat-test"))
+from tests.shared_cache import TEST_CACHE
+from tests.tmux_helpers import terminals  # noqa: F401  (the fixture of the tmux tests)
 
 # The folders a real kvchat uses for this user (what `app_paths()` gives without KVCHAT_HOME).
 USER_FOLDERS = tuple(

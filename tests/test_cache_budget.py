@@ -83,9 +83,9 @@ def test_idle_touching_stops_before_the_machine_runs_short_of_memory() -> None:
 
 async def test_the_tui_exits_2_when_the_cache_does_not_fit() -> None:
     from kvchat.chat.store import Store
+    from kvchat.testing.tui import wait_until
     from kvchat.tui.app import KvchatApp
     from kvchat.tui.screens import FailedStartScreen
-    from tests.tui_helpers import wait_until
 
     def too_big(progress):
         raise UsageError("the KV cache does not fit in this machine's memory: ...")

@@ -10,7 +10,7 @@ import pytest
 from kvchat.chat.events import DraftChanged, ReplyFinished
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
-from tests.fake_engine import CharRenderer, FakeEngine
+from kvchat.testing.fake_engine import CharRenderer, FakeEngine
 
 
 @pytest.fixture(autouse=True)

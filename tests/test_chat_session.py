@@ -12,7 +12,7 @@ from kvchat.chat.service import MODEL_CHANGED_NOTICE, SessionService
 from kvchat.chat.session import MessageState
 from kvchat.chat.store import Store
 from kvchat.errors import KvchatError, PromptTooLongError
-from tests.fake_engine import END, CharRenderer, FakeEngine
+from kvchat.testing.fake_engine import END, CharRenderer, FakeEngine
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ from kvchat.chat.service import SessionService
 from kvchat.chat.session import MessageState
 from kvchat.chat.store import SCHEMA_VERSION, MessageRecord, SessionRecord, Store
 from kvchat.errors import KvchatError
-from tests.fake_engine import CharRenderer, FakeEngine
+from kvchat.testing.fake_engine import CharRenderer, FakeEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ _CHILD = textwrap.dedent(
     from kvchat.chat.events import ReplyDelta
     from kvchat.chat.service import SessionService
     from kvchat.chat.store import Store
-    from tests.fake_engine import CharRenderer, FakeEngine
+    from kvchat.testing.fake_engine import CharRenderer, FakeEngine
 
     engine = FakeEngine(manual=True, tokens_per_reply=1000)
     renderer = CharRenderer()

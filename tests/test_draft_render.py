@@ -15,8 +15,7 @@ import pytest
 from kvchat.model.chat_template import ChatTemplate
 from kvchat.model.tokenizer import Tokenizer
 from kvchat.model.turn_renderer import TurnRenderer
-from tests.test_turn_renderer import STRIP_THINKING_TEMPLATE
-from tests.tiny_tokenizers import write_tiny_tokenizer
+from tests.tiny_tokenizers import STRIP_THINKING_TEMPLATE, write_tiny_tokenizer
 
 DOCUMENT = "```python\ndef double(x):\n    return x * 2\n```"
 QUESTION = "What does this function return for 21?"

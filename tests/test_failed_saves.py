@@ -23,8 +23,9 @@ from kvchat.chat.store import MessageRecord, SessionRecord, Store
 from kvchat.chat.write_behind import WriteBehind
 from kvchat.headless import run_script
 from kvchat.paths import app_paths
-from tests.fake_engine import CharRenderer, FakeEngine
-from tests.tui_helpers import fake_app, ready, transcript_texts, wait_until
+from kvchat.testing.fake_engine import CharRenderer, FakeEngine
+from kvchat.testing.tui import fake_app, ready, wait_until
+from tests.tui_helpers import transcript_texts
 
 
 def set_pragma(store: Store, pragma: str) -> None:

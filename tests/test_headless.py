@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import io
 import json
-from pathlib import Path
 
 import pytest
 
 from kvchat.chat.engine_port import ChatBackend
 from kvchat.headless import run_script
 from kvchat.paths import app_paths
-from tests.fake_engine import END, CharRenderer, FakeEngine
+from kvchat.testing.fake_engine import END, CharRenderer, FakeEngine
+from tests.headless_helpers import run
 
 REPLY_FIELDS = {
     "event",
@@ -47,35 +47,6 @@ STATS_FIELDS = {
 @pytest.fixture(autouse=True)
 def _home(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
-
-
-def run(tmp_path: Path, lines: list[dict | str], engine: FakeEngine | None = None, **kw):
-    script = tmp_path / "script.jsonl"
-    script.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
-    engine = engine or FakeEngine()
-    renderer = CharRenderer()
-    calls = []
-
-    def services() -> ChatBackend:
-        calls.append(1)
-        return ChatBackend(engine, renderer, renderer.stop_token_ids)
-
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        code = run_script(
-            str(script),
-            stream=kw.pop("stream", False),
-            save=kw.pop("save", False),
-            services=services,
-            stdout=out,
-            stderr=err,
-            **kw,
-        )
-    finally:
-        engine.close()
-    events = [json.loads(line) for line in out.getvalue().splitlines()]
-    errors = [json.loads(line) for line in err.getvalue().splitlines()]
-    return code, events, errors, engine, bool(calls)
 
 
 def test_a_script_with_every_op_prints_designs_events(tmp_path) -> None:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fake_engine import CharRenderer, FakeEngine
-from tests.test_headless import run
+from kvchat.testing.fake_engine import CharRenderer, FakeEngine
+from tests.headless_helpers import run
 
 
 @pytest.fixture(autouse=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEST_CACHE
+from tests.shared_cache import TEST_CACHE
 
 pytestmark = pytest.mark.slow
 
@@ -185,7 +185,7 @@ def kill_tui_once(
 ) -> list[str]:
     """Open the TUI, send 0-2 finished turns and start one more, kill at a random moment;
     returns the messages whose turn the screen showed finished."""
-    from tests.test_tui_tmux import ready
+    from tests.tmux_helpers import ready
 
     term = terminals(home, model, "--max-tokens", "40")
     acknowledged: list[str] = []
@@ -241,7 +241,7 @@ def test_kill_9_of_kvchat_run_keeps_the_database_sound_and_every_printed_reply(
 def test_kill_9_of_the_tui_keeps_the_database_sound_and_every_finished_turn(
     tiny_llama_dir, kill_home, rng
 ) -> None:
-    from tests.test_tui_tmux import Terminal
+    from tests.tmux_helpers import Terminal
 
     opened: list[Terminal] = []
 

@@ -14,7 +14,7 @@ from kvchat.engine.kv_store import (
     pages_for_bytes,
 )
 from kvchat.engine.page_table import PageTable
-from tests.test_page_table import SALT
+from tests.page_table_helpers import SALT
 
 L, P, S, H, D = 3, 6, 4, 2, 8  # layers, pages, page size, kv heads, head dim
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

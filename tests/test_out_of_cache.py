@@ -8,8 +8,9 @@ import pytest
 from kvchat.engine.events import RequestFinished
 from kvchat.engine.request import FinishReason, GenerationRequest
 from kvchat.model.loader import load_model
+from kvchat.testing.tui import fake_app, ready, wait_until
 from tests.engine_helpers import Collector, small_engine
-from tests.tui_helpers import fake_app, ready, transcript_texts, wait_until
+from tests.tui_helpers import transcript_texts
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvchat.engine.host_tier import HostTier
 from kvchat.engine.page_hash import page_hash
 from kvchat.engine.page_table import PageTable
-from tests.test_page_table import PS, SALT, FakeMover, assert_data
+from tests.page_table_helpers import PS, SALT, FakeMover, assert_data
 
 MONOTONIC = (
     "device_to_host",

@@ -7,7 +7,7 @@ import torch
 
 from kvchat.model.loader import load_model
 from kvchat.model.quantized_linear import Int4Linear, Int8Linear, quantize_int4_rtn
-from tests.test_model_parity import kvchat_logits, rel_err
+from tests.parity_helpers import kvchat_logits, rel_err
 from tests.tiny_gguf import write_tiny_gguf
 
 

@@ -9,7 +9,7 @@ from kvchat.engine.request import GenerationRequest
 from kvchat.engine.scheduler import Scheduler
 from kvchat.engine.sequence import Sequence
 from kvchat.engine.step_pacer import MAX_SCALE, MIN_SCALE, StepKind, StepPacer
-from tests.test_page_table import FakeMover
+from tests.page_table_helpers import FakeMover
 
 
 class _NoText:

@@ -19,10 +19,11 @@ from kvchat.chat.session import MessageState
 from kvchat.chat.settings import Settings
 from kvchat.chat.store import MessageRecord, SessionRecord, Store
 from kvchat.errors import ModelLoadError
+from kvchat.testing.tui import fake_app, ready, wait_until
 from kvchat.tui.app import GIL_SWITCH_INTERVAL_S, KvchatApp
 from kvchat.tui.screens import FailedStartScreen, StartupScreen
 from kvchat.tui.sidebar import SessionList
-from tests.tui_helpers import fake_app, ready, transcript_texts, wait_until
+from tests.tui_helpers import transcript_texts
 
 SIZE = (150, 45)
 

@@ -9,10 +9,10 @@ import time
 from kvchat.chat.session import CachedTokens, TurnStats
 from kvchat.chat.settings import Settings
 from kvchat.chat.store import MessageRecord, SessionRecord, Store
+from kvchat.testing.tui import fake_app, ready, wait_until
 from kvchat.tui.keys import check_keymap
 from kvchat.tui.screens import HelpScreen
 from kvchat.tui.sidebar import LEGEND
-from tests.tui_helpers import fake_app, ready, wait_until
 
 SIZE = (150, 45)
 

@@ -13,9 +13,10 @@ from kvchat.engine.config import EngineConfig
 from kvchat.engine.engine import Engine
 from kvchat.engine.request import SamplingParams
 from kvchat.model.loader import load_model
+from kvchat.testing.tui import ready, wait_until
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.backend import TuiBackend
-from tests.tui_helpers import ready, transcript_texts, wait_until
+from tests.tui_helpers import transcript_texts
 
 
 def tiny_backend(folder) -> TuiBackend:

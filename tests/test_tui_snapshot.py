@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from kvchat.chat.settings import Settings
-from tests.tui_helpers import fake_app, ready, transcript_texts, wait_until
+from kvchat.testing.tui import fake_app, ready, wait_until
+from tests.tui_helpers import transcript_texts
 
 LABELS = ("Sessions", "Hit rate", "Pages", "Evictions", "TTFT", "Decode tok/s", "Cache")
 

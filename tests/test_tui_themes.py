@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from kvchat.chat.settings import load_settings
 from kvchat.paths import app_paths
+from kvchat.testing.tui import fake_app, ready, wait_until
 from kvchat.tui.themes import builtin_theme_files, load_themes, parse_theme
-from tests.tui_helpers import fake_app, ready, wait_until
 
 GOOD = 'name = "mine"\nprimary = "#123456"\nbackground = "#000000"\n'
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from kvchat.testing.tui import fake_app, ready, wait_until
 from kvchat.tui.type_ahead import DraftTimer, ready_label
-from tests.tui_helpers import fake_app, ready, wait_until
 
 SIZE = (150, 45)
 PASTE = "def double(x):\n    return x * 2\n" * 20

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from tests.test_tui_tmux import Terminal, ready, terminals  # noqa: F401 (the fixture)
+from tests.tmux_helpers import Terminal, ready
 
 pytestmark = [
     pytest.mark.slow,
@@ -37,7 +37,7 @@ def ready_tokens(screen: str) -> int | None:
     return int(found[-1].replace(",", "")) if found else None
 
 
-def test_the_ready_indicator_fills_as_text_is_pasted(tmp_path, tiny_llama_dir, terminals):  # noqa: F811
+def test_the_ready_indicator_fills_as_text_is_pasted(tmp_path, tiny_llama_dir, terminals):
     term = terminals(tmp_path / "home", tiny_llama_dir)
     ready(term)
     term.keys("C-n")  # a session to draft into

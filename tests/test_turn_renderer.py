@@ -16,7 +16,12 @@ import pytest
 from kvchat.model.chat_template import DEFAULT_CHATML_TEMPLATE, ChatTemplate
 from kvchat.model.tokenizer import Tokenizer
 from kvchat.model.turn_renderer import TurnRenderer
-from tests.tiny_tokenizers import SMOLLM2_CHAT_TEMPLATE, build_tiny_tokenizer, write_tiny_tokenizer
+from tests.tiny_tokenizers import (
+    SMOLLM2_CHAT_TEMPLATE,
+    STRIP_THINKING_TEMPLATE,
+    build_tiny_tokenizer,
+    write_tiny_tokenizer,
+)
 
 END_OF_TURN = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>"}
 
@@ -32,15 +37,6 @@ REPLIES = [
     "你好 👋😀",
     "No, there is none.\n\n- no `try`\n- no checks",
 ]
-
-# A Qwen3-like template: earlier assistant turns lose their reasoning.
-STRIP_THINKING_TEMPLATE = (
-    "{% for message in messages %}{% set content = message['content'] %}"
-    "{% if message['role'] == 'assistant' and not loop.last %}"
-    "{% set content = content.split('</think>')[-1] | trim %}{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 
 def _renderer(tmp_path: Path, style: Literal["chatml", "llama3"]) -> TurnRenderer:

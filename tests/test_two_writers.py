@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvchat.chat.service import DIVERGED_NOTICE, SessionService
 from kvchat.chat.store import Store
-from tests.fake_engine import CharRenderer, FakeEngine
+from kvchat.testing.fake_engine import CharRenderer, FakeEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 TURNS = 12
@@ -28,7 +28,7 @@ _WRITER = textwrap.dedent(
     from kvchat.chat.events import ReplyFinished
     from kvchat.chat.service import SessionService
     from kvchat.chat.store import Store
-    from tests.fake_engine import CharRenderer, FakeEngine
+    from kvchat.testing.fake_engine import CharRenderer, FakeEngine
 
     db, sid, tag, turns = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     engine, renderer = FakeEngine(), CharRenderer()

@@ -158,3 +158,13 @@ def write_tiny_tokenizer(folder: Path, style: Literal["chatml", "llama3"]) -> No
             "model_max_length": 8192,
         }
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+
+
+# A Qwen3-like template: earlier assistant turns lose their reasoning.
+STRIP_THINKING_TEMPLATE = (
+    "{% for message in messages %}{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and not loop.last %}"
+    "{% set content = content.split('</think>')[-1] | trim %}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)

@@ -9,7 +9,7 @@ empty for a backend that sends text only) and the turn's figures
 (`RequestFinished`, or `TurnFinished` when the backend reports counts rather
 than ids). The embedded engine, a token-level `EnginePort`, becomes a
 `TurnPort` through `EngineTurnAdapter`; a remote server implements `TurnPort`
-directly (kvchat/remote/). Tests substitute fakes (`tests/fake_engine.py`).
+directly (kvchat/remote/). Tests substitute fakes (`kvchat/testing/fake_engine.py`).
 """
 
 from __future__ import annotations

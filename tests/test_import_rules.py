@@ -1,4 +1,8 @@
-"""The layers point one way: above the engine, only `kvchat.engine.api` is imported, no torch."""
+"""Who may import what: the layers point one way, tests share helpers, benchmarks stand alone.
+
+Above the engine only `kvchat.engine.api` is imported, and no torch; a test module
+imports helper modules, never another test module; a benchmark imports no test code.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from pathlib import Path
 import kvchat
 
 ROOT = Path(kvchat.__file__).parent
+REPO = ROOT.parent
 ABOVE_ENGINE = [
     *sorted((ROOT / "chat").glob("*.py")),
     *sorted((ROOT / "tui").glob("*.py")),
@@ -49,3 +54,23 @@ def test_importing_the_session_layer_the_tui_and_the_engine_api_loads_no_torch()
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT.parent
     )
     assert out.stdout.strip() == "False"
+
+
+def test_test_modules_share_helpers_through_helper_modules_only():
+    wrong = {
+        f"{path.name}: {module}"
+        for path in sorted((REPO / "tests").glob("*.py"))
+        for module in imported_modules(path)
+        if module.startswith(("tests.test_", "tests.conftest"))
+    }
+    assert not wrong
+
+
+def test_benchmarks_import_no_test_code():
+    wrong = {
+        f"{path.relative_to(REPO)}: {module}"
+        for path in sorted((REPO / "benchmarks").rglob("*.py"))
+        for module in imported_modules(path)
+        if module == "tests" or module.startswith("tests.")
+    }
+    assert not wrong

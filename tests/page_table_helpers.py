@@ -1,0 +1,89 @@
+"""A fake K/V mover and turn helpers for the page-table tests.
+
+The fake mover stands in for the K/V tensors: each slot holds the whole token prefix
+that produced it, so a test can check that data followed the table through every
+copy, restore and move (a slot in the wrong page shows up as the wrong prefix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvchat.engine.host_tier import HostTier
+from kvchat.engine.page_hash import root_salt
+from kvchat.engine.page_table import PageTable, Reservation
+
+PS = 4
+
+
+SALT = root_salt("test-model", "float32", "fp")
+
+
+Slot = tuple[int, ...] | None
+
+
+class FakeMover:
+    """Implements `PageMover` over lists: each slot holds the token prefix ending at it."""
+
+    def __init__(self, num_pages: int, num_slots: int, page_size: int = PS) -> None:
+        self.ps = page_size
+        self.dev: list[list[Slot]] = [[None] * page_size for _ in range(num_pages)]
+        self.host: list[list[Slot]] = [[None] * page_size for _ in range(num_slots)]
+        self.calls: list[tuple[str, int, int]] = []
+
+    def device_to_host(self, device_page: int, host_slot: int) -> None:
+        self.calls.append(("d2h", device_page, host_slot))
+        self.host[host_slot] = list(self.dev[device_page])
+
+    def host_to_device(self, host_slot: int, device_page: int) -> None:
+        self.calls.append(("h2d", host_slot, device_page))
+        self.dev[device_page] = list(self.host[host_slot])
+
+    def copy_tokens(self, src_page: int, dst_page: int, n_tokens: int) -> None:
+        self.calls.append(("copy", src_page, dst_page))
+        self.dev[dst_page][:n_tokens] = self.dev[src_page][:n_tokens]
+
+    def move_page(self, src_page: int, dst_page: int) -> None:
+        self.calls.append(("move", src_page, dst_page))
+        self.dev[dst_page] = list(self.dev[src_page])
+
+    def count(self, kind: str) -> int:
+        return sum(1 for c in self.calls if c[0] == kind)
+
+
+def make(
+    num_pages: int, host_slots: int | None = None, salt: bytes = SALT
+) -> tuple[PageTable, FakeMover]:
+    mover = FakeMover(num_pages, host_slots or 0)
+    host = None if host_slots is None else HostTier(host_slots)
+    return PageTable(num_pages, PS, salt, host, mover), mover
+
+
+def compute(table: PageTable, mover: FakeMover, seq_id: int, tokens: Sequence[int]) -> None:
+    """Play the engine: write K/V ("prefixes") for tokens not yet written, then commit them."""
+    start = table.num_tokens(seq_id)
+    assert table.ensure_capacity(seq_id, len(tokens))
+    pages = table.pages(seq_id)
+    for pos in range(start, len(tokens)):
+        mover.dev[pages[pos // PS]][pos % PS] = tuple(tokens[: pos + 1])
+    table.commit(seq_id, tokens[start:])
+
+
+def assert_data(table: PageTable, mover: FakeMover, seq_id: int, tokens: Sequence[int]) -> None:
+    """The sequence's pages hold exactly the K/V of `tokens` for every written position."""
+    pages = table.pages(seq_id)
+    for pos in range(table.num_tokens(seq_id)):
+        got = mover.dev[pages[pos // PS]][pos % PS]
+        assert got == tuple(tokens[: pos + 1]), f"position {pos} of sequence {seq_id}: {got}"
+
+
+def run_turn(table: PageTable, mover: FakeMover, seq_id: int, tokens: Sequence[int]) -> Reservation:
+    """Admit, check the cached part, compute the rest, check all, release: one chat turn."""
+    res = table.reserve(seq_id, tokens, count_as="prompt")
+    assert res is not None
+    assert_data(table, mover, seq_id, tokens)
+    compute(table, mover, seq_id, tokens)
+    assert_data(table, mover, seq_id, tokens)
+    table.release(seq_id)
+    table.validate()
+    return res
