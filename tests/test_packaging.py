@@ -34,3 +34,13 @@ def test_the_kernel_sources_ship_as_package_data():
     for source in (*SOURCES, *HEADERS):
         assert source.exists()
         assert any(source.match(f"kvchat/native/{p}") for p in patterns)
+
+
+def test_the_apps_stylesheet_ships_as_package_data():
+    """The TUI reads its styles from `app.tcss` (`CSS_PATH`): the wheel must carry it."""
+    from kvchat.tui.app import KvchatApp
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    stylesheet = Path(KvchatApp.CSS_PATH)
+    assert stylesheet.exists()
+    assert any(stylesheet.match(f"kvchat/tui/{p}") for p in data["package-data"]["kvchat.tui"])

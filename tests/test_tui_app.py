@@ -354,9 +354,9 @@ async def test_copy_export_rename_and_sampling(tmp_path, monkeypatch):
 
 async def test_the_cache_note_follows_the_backend_as_it_changes(monkeypatch):
     """The note names the attention in use; the kernel may finish compiling after start."""
-    import kvchat.tui.app as app_module
+    import kvchat.tui.refresh_pump as refresh_pump
 
-    monkeypatch.setattr(app_module, "NOTE_EVERY_S", 0.0)
+    monkeypatch.setattr(refresh_pump, "NOTE_EVERY_S", 0.0)
     note = ["attention: torch SDPA while kvchat's kernel compiles"]
     app, _engine = fake_app(describe=lambda: note[0])
     async with app.run_test(size=(160, 45)) as pilot:

@@ -19,7 +19,7 @@ from textual.widgets import Markdown, Static
 from kvchat.chat.engine_port import Residency
 from kvchat.chat.session import MessageState, MessageView, SessionView
 from kvchat.engine.request import SamplingParams
-from kvchat.tui.app import CSS as APP_CSS
+from kvchat.tui.app import KvchatApp
 from kvchat.tui.markdown import RESERVE_LINES, StreamingMarkdown, StreamParagraph
 from kvchat.tui.repaint import update_static
 from kvchat.tui.sidebar import SessionRow
@@ -138,7 +138,7 @@ async def test_a_new_live_paragraph_has_its_spare_lines_from_its_first_layout():
 class _StyledHost(App[None]):
     """The app's own stylesheet around one message body, as the transcript nests it."""
 
-    CSS = APP_CSS
+    CSS_PATH = KvchatApp.CSS_PATH
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="message -assistant"):
@@ -171,7 +171,7 @@ def _message(content: str, state: MessageState, index: int) -> MessageView:
 
 
 class _Messages(App[None]):
-    CSS = APP_CSS
+    CSS_PATH = KvchatApp.CSS_PATH
 
     def __init__(self, first: MessageView) -> None:
         super().__init__()

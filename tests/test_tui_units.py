@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvchat.chat.attachments import attachment_text
+from kvchat.chat.sampling_text import parse_sampling, sampling_text
 from kvchat.engine.request import SamplingParams
 from kvchat.errors import KvchatError
-from kvchat.tui.app import attachment_text, parse_sampling, sampling_text
 from kvchat.tui.keys import BINDING_IDS, check_keymap
 from kvchat.tui.stream_buffer import StreamBuffer
 

@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: tui
 import tui_throughput
 
 from kvchat.native import build
-from kvchat.tui.app import FLUSH_HZ, GIL_SWITCH_INTERVAL_S
+from kvchat.tui.app import GIL_SWITCH_INTERVAL_S
+from kvchat.tui.refresh_pump import FLUSH_HZ
 
 _BUFFER = b"x" * (1 << 20)  # hashlib releases the GIL for inputs over 2 KiB
 

@@ -32,7 +32,13 @@ report in `unsaved`, `run_tui` prints it and exits 1).
 The model loads in a thread worker behind `StartupScreen`; a `KvchatError`
 from it shows `FailedStartScreen`. Every action catches `KvchatError` and shows
 its message as a notification; anything else is logged to the error log and
-reported in one line.
+reported in one line (`guarded`).
+
+Its parts live beside it: the styles (`app.tcss`), the messages threads post
+(`messages`), the refresh pump (`refresh_pump`) and the command palette
+(`command_palette`). What stays here is one class on purpose: Textual's `App`,
+whose start-up, event handlers and actions all act on the same current session,
+service and widgets.
 """
 
 from __future__ import annotations
@@ -40,22 +46,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import inspect
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 from textual import work
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import App, ComposeResult
 from textual.command import SimpleCommand
 from textual.containers import Horizontal, Vertical
-from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, TextArea
 
+from kvchat.chat.attachments import attachment_text
 from kvchat.chat.error_log import log_exception
 from kvchat.chat.events import (
     ChatEvent,
@@ -74,15 +79,18 @@ from kvchat.chat.events import (
     SessionRenamed,
 )
 from kvchat.chat.recovery import UnsavedReport
+from kvchat.chat.sampling_text import parse_sampling, sampling_text
 from kvchat.chat.service import RETRY_SAVE_S, SessionService
 from kvchat.chat.session import MessageView, SessionView
 from kvchat.chat.settings import Settings, save_setting
 from kvchat.chat.store import Store
-from kvchat.engine.api import Residency, SamplingParams
+from kvchat.engine.api import Residency
 from kvchat.errors import KvchatError, UsageError
 from kvchat.paths import app_paths
 from kvchat.tui.backend import BackendFactory, TuiBackend
+from kvchat.tui.command_palette import CommandPalette
 from kvchat.tui.composer import Composer
+from kvchat.tui.guarded import guarded
 from kvchat.tui.keys import (
     APP_KEYS,
     bindings,
@@ -90,7 +98,14 @@ from kvchat.tui.keys import (
     install_meta_digit_keys,
     keys_for,
 )
+from kvchat.tui.messages import (
+    BackendReady,
+    ServiceEvent,
+    StartFailed,
+    StartProgress,
+)
 from kvchat.tui.meters import Meters
+from kvchat.tui.refresh_pump import FLUSH_HZ, RefreshPump
 from kvchat.tui.save_banner import SaveBanner
 from kvchat.tui.screens import (
     FailedStartScreen,
@@ -104,204 +119,15 @@ from kvchat.tui.themes import DEFAULT_THEME, load_themes
 from kvchat.tui.transcript import Transcript
 from kvchat.tui.type_ahead import DraftTimer, ready_label
 
-FLUSH_HZ = 20
 GIL_SWITCH_INTERVAL_S = 0.001  # while the app runs (see the module docstring)
-METERS_HZ = 4
-RESIDENCY_ALL_EVERY_S = 5.0
-NOTE_EVERY_S = 2.0  # the cache note (model, cache sizes, attention) is re-read this often
 NEW_TITLE = "New chat"
 _APP_ACTIONS = frozenset(spec.action.split("(")[0] for spec in APP_KEYS)
-MAX_ATTACH_BYTES = 2_000_000
-
-CSS = """
-#body { height: 1fr; }
-Screen.-narrow #meters, Screen.-medium #meters { display: none; }
-Screen.-narrow #sidebar { width: 24; }
-#sidebar { width: 34; border: round $panel-lighten-2; border-title-color: $primary; }
-#main { width: 1fr; }
-#transcript { height: 1fr; border: round $panel-lighten-2; border-title-color: $primary;
-              border-subtitle-color: $warning; padding: 0 1; }
-#composer-box { height: auto; }
-#composer { height: auto; min-height: 3; max-height: 12; border: round $primary; }
-#composer.-editing { border: round $warning; }
-#meters { width: 34; border: round $panel-lighten-2; border-title-color: $primary;
-          padding: 0 1; }
-.session-row { padding: 0 1; margin-bottom: 1; height: auto; }
-.session-row.-current { background: $boost; border-left: thick $primary; }
-.session-row.-unread { text-style: bold; }
-/* The gap after a message is its last block's own bottom margin. A rule with :last-child
-   (or any order pseudo-class) on the blocks made Textual restyle every block of a reply
-   each time one was added: frames grew with the reply's length (tests/test_tui_repaint.py). */
-.message { height: auto; margin-bottom: 0; }
-.message.-empty { margin-bottom: 1; }
-.message-header { color: $text-muted; text-style: bold; width: 100%; }  /* wraps an error */
-.message.-user .message-header { color: $primary; }
-.message.-assistant .message-header { color: $secondary; }
-.message.-interrupted .message-header, .message.-error .message-header { color: $error; }
-.message.-cancelled .message-header { color: $warning; }
-.message-body { margin: 0; padding: 0; }
-.empty, .earlier { color: $text-muted; padding: 1 0; }
-.meter-label { color: $primary; text-style: bold; margin-top: 1; }
-.meter-note { color: $text-muted; margin-top: 1; }
-#meter-eviction-rate { height: 2; }
-StartupScreen, FailedStartScreen { align: center middle; }
-#startup, #failed { width: 80%; height: auto; max-height: 80%; border: round $primary;
-                    padding: 1 2; }
-#startup-log { height: 12; }
-#startup-hint { color: $text-muted; margin-top: 1; }
-#startup-composer { height: 5; }
-StartupScreen LoadingIndicator { height: 3; }
-#failed { border: round $error; }
-#failed-title { color: $error; text-style: bold; }
-#failed-message { margin: 1 0; }
-TextDialog, HelpScreen { align: center middle; }
-#dialog { width: 80%; height: auto; border: round $primary; padding: 1 2;
-          background: $surface; }
-#dialog TextArea { height: 10; }
-#dialog-hint { color: $text-muted; }
-#help { width: 90%; height: 80%; border: round $primary; padding: 1 2; background: $surface; }
-"""
 
 
-class ServiceEvent(Message):
-    """A service event (not a reply delta), marshalled to the UI thread."""
-
-    def __init__(self, event: ChatEvent) -> None:
-        super().__init__()
-        self.event = event
-
-
-class StartProgress(Message):
-    def __init__(self, line: str) -> None:
-        super().__init__()
-        self.line = line
-
-
-class BackendReady(Message):
-    def __init__(self, backend: TuiBackend, service: SessionService, interrupted: int) -> None:
-        super().__init__()
-        self.backend = backend
-        self.service = service
-        self.interrupted = interrupted
-
-
-class StartFailed(Message):
-    def __init__(self, text: str, exit_code: int = 1) -> None:
-        super().__init__()
-        self.text = text
-        self.exit_code = exit_code  # 2: bad input (an option or a setting), as the CLI's
-
-
-class ResidencyReady(Message):
-    def __init__(self, residencies: dict[str, Residency]) -> None:
-        super().__init__()
-        self.residencies = residencies
-
-
-def guarded(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Show a `KvchatError` as a notification; log anything else and say where the log is."""
-
-    def report(app: KvchatApp, exc: Exception) -> None:
-        if isinstance(exc, KvchatError):
-            app.notify(str(exc), severity="error")
-        else:
-            log_exception(f"TUI action {method.__name__} failed")
-            app.notify(
-                f"Something went wrong ({exc}); details are in {app_paths().error_log}",
-                severity="error",
-            )
-
-    if inspect.iscoroutinefunction(method):
-
-        @functools.wraps(method)
-        async def run_async(self: KvchatApp, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return await method(self, *args, **kwargs)
-            except Exception as exc:
-                report(self, exc)
-                return None
-
-        return run_async
-
-    @functools.wraps(method)
-    def run(self: KvchatApp, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except Exception as exc:
-            report(self, exc)
-            return None
-
-    return run
-
-
-def parse_sampling(text: str, base: SamplingParams, max_tokens: int) -> tuple[SamplingParams, int]:
-    """`temperature=0.7 top_p=0.9 ... max_tokens=512` into values; KvchatError names a bad one."""
-    values: dict[str, Any] = {}
-    new_max = max_tokens
-    for part in text.replace(",", " ").split():
-        key, sep, raw = part.partition("=")
-        key = key.strip()
-        if not sep:
-            raise KvchatError(f"write name=value pairs, like temperature=0.7 (not {part!r})")
-        try:
-            if key == "max_tokens":
-                new_max = int(raw)
-                if new_max <= 0:
-                    raise ValueError
-            elif key in ("top_k",):
-                values[key] = int(raw)
-            elif key == "seed":
-                values[key] = None if raw in ("", "none", "None") else int(raw)
-            elif key in ("temperature", "top_p", "min_p", "repetition_penalty"):
-                values[key] = float(raw)
-            else:
-                raise KvchatError(
-                    f"unknown sampling parameter {key!r} (known: temperature, top_p, top_k, "
-                    "min_p, repetition_penalty, seed, max_tokens)"
-                )
-        except ValueError:
-            raise KvchatError(f"{key}: {raw!r} is not a valid value") from None
-    sampling = replace(base, **values)
-    if sampling.temperature < 0 or not 0 < sampling.top_p <= 1 or sampling.top_k < 0:
-        raise KvchatError("temperature must be >= 0, top_p in (0, 1], top_k >= 0")
-    return sampling, new_max
-
-
-def sampling_text(sampling: SamplingParams, max_tokens: int) -> str:
-    seed = "none" if sampling.seed is None else str(sampling.seed)
-    return (
-        f"temperature={sampling.temperature:g} top_p={sampling.top_p:g} top_k={sampling.top_k} "
-        f"min_p={sampling.min_p:g} repetition_penalty={sampling.repetition_penalty:g} "
-        f"seed={seed} max_tokens={max_tokens}"
-    )
-
-
-def attachment_text(path: Path) -> str:
-    """A file's text as a fenced block for the message; KvchatError when it is not text."""
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise KvchatError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if not path.is_file():
-        raise KvchatError(f"{path} is not a file")
-    if size > MAX_ATTACH_BYTES:
-        raise KvchatError(f"{path} is {size:,} bytes; attach files under {MAX_ATTACH_BYTES:,}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise KvchatError(f"{path} is not a UTF-8 text file") from None
-    except OSError as exc:
-        raise KvchatError(f"cannot read {path}: {exc.strerror or exc}") from None
-    fence = "```"
-    while fence in text:
-        fence += "`"
-    return f"File `{path.name}`:\n\n{fence}\n{text.rstrip()}\n{fence}\n"
-
-
-class KvchatApp(App[int]):
+class KvchatApp(RefreshPump, CommandPalette, App[int]):
     """Sessions, transcript, input and meters over one chat service (see the module docstring)."""
 
-    CSS = CSS
+    CSS_PATH = Path(__file__).parent / "app.tcss"
     TITLE = "kvchat"
     BINDINGS = bindings(APP_KEYS, priority=True)  # over the text area's own f6, ctrl+pageup…
     # below 120 columns the meters give their room to the transcript; below 90 the sidebar too
@@ -612,91 +438,6 @@ class KvchatApp(App[int]):
             return
         self.views[session_id] = view
         self.sidebar.update_view(view)
-
-    # --------------------------------------------------------------- timers
-
-    async def _tick(self) -> None:
-        """`FLUSH_HZ`: rows that changed, the meters when their turn came, then the text.
-
-        Everything a tick touches is repainted in one screen update; each update costs a
-        few ms of the UI thread whatever it repaints.
-        """
-        if self._rows_due:
-            due, self._rows_due = self._rows_due, set()
-            for session_id in due:
-                self._refresh_row(session_id)
-        if self._residency_due:
-            due_residency, self._residency_due = self._residency_due, {}
-            rows = self.sidebar.rows()
-            for session_id, residency in due_residency.items():
-                if session_id in rows:
-                    rows[session_id].set_residency(residency)
-        if time.monotonic() - self._meters_at >= 1 / METERS_HZ:
-            self._tick_meters()
-        if self.draft_timer.pending:
-            self._draft_if_due()
-        await self._flush_replies()
-
-    async def _flush_replies(self) -> None:
-        async with self._transcript_lock:
-            await self._flush_unlocked()
-
-    async def _flush_unlocked(self) -> None:
-        """Show the visible session's buffered text; drop hidden sessions' (a switch re-reads)."""
-        chunks = self.buffer.take(self.current or "")
-        if not chunks or self.service is None or self.current is None:
-            return
-        for chunk in chunks:
-            if not await self.transcript.append(chunk):
-                await self.transcript.sync(self.current, self.service.messages(self.current))
-                await self.transcript.append(chunk)
-
-    def _tick_meters(self) -> None:
-        """4 Hz: meters from a stats snapshot, busy sessions' rows, residency in a thread."""
-        service = self.service
-        if service is None:
-            return
-        self._meters_at = time.monotonic()
-        for session_id, view in list(self.views.items()):
-            if view.state != "idle" or session_id == self.current:
-                self._refresh_row(session_id)
-        view = self.views.get(self.current) if self.current else None
-        rate = self.buffer.session_rate(self.current) if self.current else None
-        self.meters.update_meters(service.engine.stats(), view, rate)
-        now = time.monotonic()
-        backend = self.backend
-        if backend is not None and backend.describe and now - self._note_at > NOTE_EVERY_S:
-            self._note_at = now
-            self.meters.set_cache_note(backend.describe())  # repaints only when it changed
-        self._request_residency(all_sessions=now - self._residency_all_at > RESIDENCY_ALL_EVERY_S)
-
-    def _request_residency(self, *, all_sessions: bool) -> None:
-        if self._residency_busy or self.service is None:
-            return
-        if all_sessions:
-            self._residency_all_at = time.monotonic()
-            ids = list(self.views)
-        else:
-            ids = [s for s, v in self.views.items() if v.state != "idle" or s == self.current]
-        if ids:
-            self._residency_busy = True
-            self._compute_residency(self.service, ids)
-
-    @work(thread=True, exit_on_error=False, group="residency")
-    def _compute_residency(self, service: SessionService, ids: list[str]) -> None:
-        out: dict[str, Residency] = {}
-        try:
-            for session_id in ids:
-                try:
-                    out[session_id] = service.residency(session_id)
-                except KvchatError:
-                    continue  # deleted meanwhile
-        finally:
-            self.post_message(ResidencyReady(out))
-
-    def on_residency_ready(self, message: ResidencyReady) -> None:
-        self._residency_busy = False
-        self._residency_due.update(message.residencies)  # shown by the next tick
 
     # -------------------------------------------------------------- switching
 
@@ -1033,43 +774,6 @@ class KvchatApp(App[int]):
 
     async def action_quit(self) -> None:
         self.exit(self.exit_code, return_code=self.exit_code)
-
-    # --------------------------------------------------------- command palette
-
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        if self.service is None:
-            yield SystemCommand("Quit", "quit kvchat", self.action_quit)
-            return
-        commands = [
-            ("New session", "start a conversation", self.action_new_session),
-            ("Stop", "stop the reply being written", self.action_stop),
-            ("Regenerate", "write the last reply again", self.action_regenerate),
-            (
-                "Edit and resend",
-                "edit your last message and send it again",
-                self.action_edit_resend,
-            ),
-            ("Rename", "rename this session", self.action_rename),
-            ("Archive", "hide this session (undo brings it back)", self.action_archive),
-            ("Delete", "delete this session (undo until the next start)", self.action_delete),
-            ("Undo", "bring back the last archived or deleted session", self.action_undo),
-            ("Copy last reply", "copy it to the clipboard", self.action_copy_reply),
-            ("Attach file", "add a file's text to your message", self.action_attach),
-            ("Export to Markdown", "write this session to a .md file", self.action_export),
-            ("Fork at message", "a new session from a point of this one", self.action_fork),
-            ("System prompt", "this session's system prompt", self.action_system_prompt),
-            ("Sampling parameters", "temperature, top-p… for this session", self.action_sampling),
-            (
-                "Hide archived sessions" if self.show_archived else "Show archived sessions",
-                "list archived sessions in the sidebar",
-                self.action_toggle_archived,
-            ),
-            ("Theme", "change the colors (remembered)", self.action_theme),
-            ("Help", "keys and where kvchat keeps its files", self.action_help),
-            ("Quit", "quit kvchat", self.action_quit),
-        ]
-        for title, help_text, callback in commands:
-            yield SystemCommand(title, help_text, callback)
 
 
 def _title_from(text: str) -> str:

@@ -1,0 +1,55 @@
+"""`guarded`: an app action that fails shows a notification, never a traceback.
+
+A `KvchatError` (a user's mistake or a known failure) is shown as its message;
+anything else is logged to the error log and reported in one line saying where.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kvchat.chat.error_log import log_exception
+from kvchat.errors import KvchatError
+from kvchat.paths import app_paths
+
+if TYPE_CHECKING:
+    from kvchat.tui.app import KvchatApp
+
+
+def guarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Show a `KvchatError` as a notification; log anything else and say where the log is."""
+
+    def report(app: KvchatApp, exc: Exception) -> None:
+        if isinstance(exc, KvchatError):
+            app.notify(str(exc), severity="error")
+        else:
+            log_exception(f"TUI action {method.__name__} failed")
+            app.notify(
+                f"Something went wrong ({exc}); details are in {app_paths().error_log}",
+                severity="error",
+            )
+
+    if inspect.iscoroutinefunction(method):
+
+        @functools.wraps(method)
+        async def run_async(self: KvchatApp, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return await method(self, *args, **kwargs)
+            except Exception as exc:
+                report(self, exc)
+                return None
+
+        return run_async
+
+    @functools.wraps(method)
+    def run(self: KvchatApp, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as exc:
+            report(self, exc)
+            return None
+
+    return run
