@@ -42,6 +42,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         help="KV cache format: the compute dtype, or int8 (about 1.9x the tokens per byte)",
     )
     p.add_argument(
+        "--attention",
+        choices=["native", "flex", "sdpa"],
+        help="what reads the KV cache: native (kvchat's CPU kernel, the CPU's default), "
+        "flex (torch FlexAttention, compiled; the default on CUDA) or sdpa (torch SDPA)",
+    )
+    p.add_argument(
         "--device-cache", metavar="SIZE", help="KV cache on the compute device, e.g. 512MiB, 4GiB"
     )
     p.add_argument(

@@ -38,6 +38,7 @@ class RuntimeOptions:
     weights: str = "native"
     quantize: str | None = None
     kv: str = "native"
+    attention: str | None = None  # None: the device's default (flex on CUDA, native else)
     # option -> where its value came from ("--device-cache", or "FILE, line N" in the settings)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
 
@@ -116,6 +117,7 @@ def resolve_options(args: argparse.Namespace, settings: Settings) -> RuntimeOpti
         weights=pick("weights") or "native",
         quantize=pick("quantize"),
         kv=pick("kv") or "native",
+        attention=pick("attention"),
         sources=sources,
     )
 
@@ -128,6 +130,7 @@ def engine_config(options: RuntimeOptions):
         device_cache_bytes=options.device_cache,
         host_cache_bytes=options.host_cache,
         kv_format=options.kv,
+        attention=options.attention,
     )
 
 
@@ -154,8 +157,18 @@ def start_engine(options: RuntimeOptions, progress: Callable[[str], None]):
         check_cache_budget(model, options, ram_before_load)  # before the cache is allocated
         return model
 
-    if options.device == "cpu" or (options.device is None and not torch.cuda.is_available()):
+    from kvchat.engine.attention_choice import resolve_attention
+    from kvchat.model.device import parse_device
+
+    # refused before the model loads: a choice this device or KV format cannot run
+    attention = resolve_attention(options.attention, parse_device(options.device), options.kv)
+    if attention == "native":
         native_build.request()  # compiles (first run only) while the model loads
+    elif attention == "flex":
+        from kvchat.engine.flex_attention import configure_compile_cache
+        from kvchat.paths import app_paths
+
+        configure_compile_cache(app_paths().cache_dir / "compiled")
     try:
         engine = Engine.launch(load, engine_config(options))  # all torch work on one thread
     except (RuntimeError, MemoryError) as exc:  # what the budget could not foresee
@@ -270,7 +283,7 @@ def open_chat_backend(
 def describe_cache(engine) -> str:
     """One line a user can read at start: where the KV cache lives, how big it is, and
     which attention reads it."""
-    from kvchat.native import build as native_build
+    from kvchat.engine.attention_choice import describe_attention
 
     s = engine.stats()
     ps = s.page_size
@@ -281,5 +294,5 @@ def describe_cache(engine) -> str:
         f"KV cache: {dev} pages x {ps} tokens on {engine.transformer.device.type} "
         f"({dev * ps:,} tokens, {dev * per_page / 2**20:.0f} MiB), host tier {host} pages "
         f"({host * ps:,} tokens, {host * per_page / 2**20:.0f} MiB); attention: "
-        f"{native_build.summary(engine.transformer.device)}"
+        f"{describe_attention(engine.attention_kind, engine.transformer.device)}"
     )

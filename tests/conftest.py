@@ -25,6 +25,9 @@ from tests.servers import llama_server, vllm_server  # noqa: F401  (fixtures, st
 from tests.shared_cache import TEST_CACHE
 from tests.tmux_helpers import terminals  # noqa: F401  (the fixture of the tmux tests)
 
+# torch.compile's kernels (the FlexAttention tests') are reused from one run to the next
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(TEST_CACHE / "compiled"))
+
 # The folders a real kvchat uses for this user (what `app_paths()` gives without KVCHAT_HOME).
 USER_FOLDERS = tuple(
     Path(folder("kvchat"))

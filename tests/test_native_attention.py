@@ -236,7 +236,7 @@ def test_engine_greedy_output_is_the_same_with_the_kernel_and_with_sdpa(
     prompts = [[3 + (i * 7 + j) % 90 for j in range(10 + 13 * i)] for i in range(4)]
 
     def run(native: bool) -> list[tuple[int, ...]]:
-        with small_engine(model, native_attention=native) as engine:
+        with small_engine(model, attention="native" if native else "sdpa") as engine:
             engine.attention.native_chunks = chunks_in_kernel
             collectors = [Collector() for _ in prompts]
             for prompt, c in zip(prompts, collectors, strict=True):

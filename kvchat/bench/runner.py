@@ -176,6 +176,7 @@ def _kvchat_peer(model, options, name: str, weights: str) -> KvchatPeer:
         device_cache_bytes=options.device_cache,
         host_cache_bytes=options.host_cache,
         kv_format=options.kv,
+        attention=options.attention,
         name=name,
         weights=weights,
     )
@@ -200,6 +201,7 @@ def _command(args) -> str:
         "weights",
         "quantize",
         "kv",
+        "attention",
     )
     for flag in flags:
         value = getattr(args, flag, None)

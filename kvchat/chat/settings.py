@@ -44,6 +44,7 @@ class Settings:
     remote_model: str | None = None  # the served model to use on that server
     api_key_env: str | None = None  # the environment variable holding the server's API key
     session_header: str | None = None  # the header carrying the session id (routing)
+    attention: str | None = None  # "native" | "flex" | "sdpa"; unset: the device's default
     keys: MappingProxyType[str, str] = field(default_factory=lambda: MappingProxyType({}))
     # key -> "FILE, line N": where each value was written, for messages about it
     sources: MappingProxyType[str, str] = field(
@@ -55,7 +56,12 @@ _DTYPES = ("bfloat16", "float32")
 _SIZE_KEYS = ("device_cache", "host_cache")
 _ZERO_IS_OFF = ("host_cache",)  # 0 turns these tiers off; the device cache cannot be off
 MIN_PAGE_SIZE = 16
-_CHOICES = {"weights": ("native", "bf16"), "quantize": ("int8", "int4"), "kv": ("native", "int8")}
+_CHOICES = {
+    "weights": ("native", "bf16"),
+    "quantize": ("int8", "int4"),
+    "kv": ("native", "int8"),
+    "attention": ("native", "flex", "sdpa"),
+}
 
 
 def _line_of(text: str, key: str, table: str | None = None) -> int | None:

@@ -43,9 +43,10 @@ class EngineConfig:
     max_skips: int = 8  # how often a waiting request may be overtaken by later ones
     max_rq_tokens: int = 2048  # a long generation requeues itself after this many tokens
     kv_format: str = "native"  # part of the page-hash salt
-    # CPU attention through kvchat's compiled kernel (kvchat/native/) once it
-    # has been built; False keeps torch's SDPA.
-    native_attention: bool = True
+    # Which attention reads the cache (engine/attention_choice.py): "native" (kvchat's CPU
+    # kernel once built), "flex" (torch's FlexAttention, compiled) or "sdpa"; None: the
+    # device's default (flex on CUDA, native elsewhere).
+    attention: str | None = None
 
     def __post_init__(self) -> None:
         ps = self.page_size

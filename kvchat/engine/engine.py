@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvchat.engine.attention_choice import make_attention, resolve_attention
 from kvchat.engine.batch_builder import build_batch
 from kvchat.engine.config import EngineConfig, default_cache_bytes
 from kvchat.engine.detokenize import token_text
@@ -45,7 +46,6 @@ from kvchat.engine.idle_housekeeping import IdleHousekeeping
 from kvchat.engine.kv_store import DeviceKVStore, HostKVStore, KVPageMover, pages_for_bytes
 from kvchat.engine.page_hash import root_salt
 from kvchat.engine.page_table import PageTable
-from kvchat.engine.paged_attention import PagedAttention
 from kvchat.engine.request import FinishReason, GenerationRequest, RequestState
 from kvchat.engine.sampling import sample_next
 from kvchat.engine.scheduler import Scheduler, StepPlan
@@ -107,6 +107,7 @@ class Engine:
         ps = self.config.page_size
         geometry = (mc.num_layers, ps, mc.num_kv_heads, mc.head_dim, dtype)
         kv_format = self.config.kv_format
+        self.attention_kind = resolve_attention(self.config.attention, device, kv_format)
         num_pages = pages_for_bytes(dev_bytes, *geometry, kv_format)
         host_slots = pages_for_bytes(host_bytes, *geometry, kv_format)
         if num_pages < 2:
@@ -126,9 +127,10 @@ class Engine:
             HostTier(host_slots) if host_slots else None,
             KVPageMover(self.store, self.host_store),
         )
-        self.attention = PagedAttention.for_store(self.store)
-        self.attention.native_enabled = self.config.native_attention
-        if self.config.native_attention and device.type == "cpu":
+        self.attention = make_attention(
+            self.store, self.attention_kind, max_batch=self.config.max_batch
+        )
+        if self.attention_kind == "native":
             native_build.request()  # in the background: SDPA serves until it is loaded
         self.scheduler = Scheduler(self.config, self.table)
         self.drafts = DraftQueue(self.config.step_token_budget)

@@ -9,13 +9,23 @@ from __future__ import annotations
 
 import torch
 
-from kvchat.errors import KvchatError
+from kvchat.errors import KvchatError, UsageError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def parse_device(name: str | None) -> torch.device:
+    """The device `--device NAME` names (None: the default)."""
+    if name is None:
+        return default_device()
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device must be cpu or cuda (or cuda:N), not {name!r}.") from None
 
 
 def bf16_is_native(device: torch.device) -> bool:

@@ -30,11 +30,11 @@ from kvchat.bench.peers.base import BatchResult, SpeedResult, TurnResult, measur
 from kvchat.chat.events import ReplyDelta, ReplyFinished, SessionFailed
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
+from kvchat.engine.attention_choice import make_attention, resolve_attention
 from kvchat.engine.config import EngineConfig
 from kvchat.engine.engine import Engine, freeze_long_lived_objects
 from kvchat.engine.events import EngineEvent, RequestFinished, TokenGenerated
 from kvchat.engine.kv_store import DeviceKVStore, kv_bytes_per_token
-from kvchat.engine.paged_attention import PagedAttention
 from kvchat.engine.request import GenerationRequest, SamplingParams
 from kvchat.engine.stats import EngineStats
 from kvchat.errors import KvchatError
@@ -188,10 +188,12 @@ class KvchatPeer:
         device_cache_bytes: int | None = None,
         host_cache_bytes: int | None = None,
         kv_format: str = "native",
+        attention: str | None = None,
         name: str = "kvchat",
         weights: str = "native",
     ) -> None:
         self.name = name
+        self.attention = resolve_attention(attention, model.transformer.device, kv_format)
         self.model = model
         self.page_size = page_size
         self.kv_format = kv_format
@@ -201,10 +203,15 @@ class KvchatPeer:
         self.bytes_per_token = kv_bytes_per_token(
             c.num_layers, c.num_kv_heads, c.head_dim, model.transformer.dtype, kv_format
         )
-        if model.transformer.device.type == "cpu":
+        if self.attention == "native":
             native_build.request(wait=True)  # measured with the kernel users get
-        kernel = native_build.status()
-        attention = "kvchat's attention kernel" if kernel.loaded else "torch SDPA attention"
+        attention = {
+            "native": "kvchat's attention kernel"
+            if native_build.status().loaded
+            else "torch SDPA attention",
+            "flex": "torch FlexAttention (compiled)",
+            "sdpa": "torch SDPA attention",
+        }[self.attention]
         self.description = (
             f"kvchat {dtype_name(model.transformer.dtype)}, {weights} weights, paged "
             f"prefix-hashed KV cache ({page_size}-token pages, {kv_format} KV), {attention}, "
@@ -234,6 +241,7 @@ class KvchatPeer:
             device_cache_bytes=dev,
             host_cache_bytes=host,
             kv_format=self.kv_format,
+            attention=self.attention,
         )
 
     # ---- workloads -----------------------------------------------------------------------
@@ -289,7 +297,7 @@ class KvchatPeer:
         store = DeviceKVStore(
             c.num_layers, pages, ps, c.num_kv_heads, c.head_dim, t.dtype, t.device, self.kv_format
         )  # K, V: [L, P, S, Hkv, D]
-        attention = PagedAttention.for_store(store)
+        attention = make_attention(store, self.attention)
         batch = ForwardBatch.from_runs([ids], [0], device=t.device)
         attention.prepare(batch, [list(range(pages))])
         sync(t.device)

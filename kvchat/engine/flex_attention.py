@@ -1,0 +1,305 @@
+"""Paged attention through torch's FlexAttention, compiled: the attention kvchat runs on CUDA.
+
+The store is read in place: one layer's K (or V) `[pages, page_size, kv_heads, head_dim]`
+is viewed as ONE long sequence `[1, kv_heads, pages * page_size, head_dim]` (no copy),
+and each step's sequences are the batch of the query: `q [B, Hq, Lq, D]`, each sequence's
+new tokens padded to the longest. A `BlockMask` says which pages each block of a
+sequence's queries reads: kv block = page, so its indices are the sequence's own page
+list, "full" blocks (pages wholly before the block's first query) skip the mask and the
+rest are masked causally through a physical-page -> logical-page map. Grouped-query
+heads go through `enable_gqa`, so no K/V is repeated per query head.
+
+Everything a step builds comes from its page lists with tensor ops, not per-token
+Python, and a decode-only step whose pages did not change reuses the previous step's
+blocks. On a GPU Inductor turns the compiled call into a Triton kernel; on a CPU the
+same code compiles to C++, which is how the tests check the page-table and mask logic
+the GPU runs. Shapes are kept to a few compiled variants (`dynamic=True`, sizes that
+vary never equal 1): past torch's recompile limit FlexAttention would run uncompiled
+and score every slot of the store.
+
+The compile cache lives under kvchat's cache folder (`configure_compile_cache`); the
+first compile of a shape takes tens of seconds, later starts load it from there.
+int8 KV is not read here: its pages would have to be dequantized first, so the engine
+refuses that combination at start (`check_kv_format`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from kvchat.errors import UsageError
+from kvchat.model.batch import ForwardBatch
+
+FLEX_INT8_KV = (
+    "--attention flex does not read an int8 KV cache; use --kv native with it, "
+    "or --attention sdpa to keep --kv int8."
+)
+# Query rows per block of the mask. A GPU's flex kernels tile 128 query rows at a time
+# (their block must divide this); on a CPU smaller blocks skip more of a chunk's future.
+Q_BLOCK_GPU = 128
+Q_BLOCK_CPU = 16
+COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def check_kv_format(kv_format: str) -> None:
+    """Refuse, with what to do instead, a KV format the flex path does not read."""
+    if kv_format != "native":
+        raise UsageError(FLEX_INT8_KV)
+
+
+def configure_compile_cache(folder: os.PathLike | str) -> None:
+    """Keep Inductor's compiled kernels under `folder` (unless the user chose a place), so
+    the first start pays for the compile and later ones load it."""
+    os.environ.setdefault(COMPILE_CACHE_ENV, os.fspath(folder))
+
+
+@functools.cache
+def _compiled_flex():
+    # Only the sizes `_mark_dynamic` names vary in a compiled graph: with every size
+    # symbolic (`dynamic=True`) torch's CPU code generator can mistake one size's name for
+    # another's (a C++ compile error)
+    return torch.compile(flex_attention)
+
+
+def _bucket(n: int, floor: int = 2) -> int:
+    """`n` rounded up to a power of two, at least `floor`: sizes that are never 1 (torch
+    specializes a compiled graph on size 1) and few distinct values."""
+    return max(floor, 1 << (max(n, 1) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """One step's block structure, reusable while its page lists and boundaries hold."""
+
+    kv_num_blocks: torch.Tensor  # [Bp, 1, R] partial (masked) pages per query block
+    kv_indices: torch.Tensor  # [Bp, 1, R, W]
+    full_num_blocks: torch.Tensor  # [Bp, 1, R] pages every query of the block sees whole
+    full_indices: torch.Tensor  # [Bp, 1, R, W]
+    # [table_rows >= Bp, pages] int32: a page's index in the sequence, or -1
+    page_to_logical: torch.Tensor
+
+
+class FlexPagedAttention:
+    """The `Attention` of a forward pass over a `DeviceKVStore`, through FlexAttention."""
+
+    def __init__(self, k_all: torch.Tensor, v_all: torch.Tensor, max_batch: int = 16):
+        """K/V stores `[layers, pages, S, Hkv, D]` in the compute dtype; `max_batch`
+        sequences a step carries at most (more are served, at the cost of a compile)."""
+        self.k_all = k_all
+        self.v_all = v_all
+        layers, pages, S, Hkv, D = k_all.shape
+        self.page_size = int(S)
+        self.num_pages = int(pages)
+        self.num_kv_heads = int(Hkv)
+        self.head_dim = int(D)
+        self.scale = self.head_dim**-0.5
+        self.q_block = Q_BLOCK_GPU if k_all.device.type == "cuda" else Q_BLOCK_CPU
+        # Rows of the tables the mask reads, a size that does not vary with the batch: the
+        # CPU compiler mis-names a varying size inside a mask (a C++ compile error)
+        self.table_rows = _bucket(max_batch)
+
+        def as_sequence(t: torch.Tensor) -> torch.Tensor:  # [P, S, Hkv, D] -> [1, Hkv, P*S, D]
+            return t.view(-1, self.num_kv_heads, self.head_dim).permute(1, 0, 2).unsqueeze(0)
+
+        self._flat_k = [k_all[i].view(-1, Hkv, D) for i in range(layers)]  # [P*S, Hkv, D]
+        self._flat_v = [v_all[i].view(-1, Hkv, D) for i in range(layers)]
+        self._keys = [as_sequence(k_all[i]) for i in range(layers)]  # views, made once
+        self._values = [as_sequence(v_all[i]) for i in range(layers)]
+        self._blocks_key: tuple | None = None
+        self._blocks: _Blocks | None = None
+        self.blocks_built = 0  # how many steps built their blocks (the rest reused them)
+        self._mask: BlockMask | None = None
+        self._slots: torch.Tensor | None = None  # [T] flat slot of each new token
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None  # each token's (seq, row)
+        self._padded_shape: tuple[int, int] = (0, 0)  # (Bp, Lq)
+
+    @classmethod
+    def for_store(cls, store, max_batch: int = 16) -> FlexPagedAttention:
+        """Over a `kv_store.DeviceKVStore` of the native KV format.
+
+        The store is zeroed first: a masked slot of a page still goes through the kernel's
+        product with V (weighted 0), and 0 x NaN from never-written memory would be NaN.
+        """
+        check_kv_format(store.kv_format)
+        for part in store.parts:
+            part.zero_()
+        return cls(store.k_all, store.v_all, max_batch)
+
+    def uses_native(self) -> bool:
+        return False
+
+    # ---- per forward -----------------------------------------------------------------------
+
+    def prepare(self, batch: ForwardBatch, page_lists: Sequence[Sequence[int]]) -> None:
+        """Where each new token goes and which pages each query block reads, once per forward.
+
+        The page lists go to the device in one copy; the rest is tensor ops there.
+        """
+        device = self.k_all.device
+        S = self.page_size
+        lens = list(batch.query_lens)
+        totals = list(batch.context_lens)
+        used = [(t + S - 1) // S for t in totals]
+        B, T = len(lens), sum(lens)
+        Bp = _bucket(B)
+        decode = batch.is_decode_only
+        Lq = 1 if decode else _bucket(max(lens), 2 * self.q_block)
+        rows = 1 if decode else Lq // self.q_block
+        pages = [tuple(p[:u]) for p, u in zip(page_lists, used, strict=True)]
+        flat_list = [p for seq in pages for p in seq]
+        table = torch.tensor([*lens, *totals, *used, *flat_list], dtype=torch.long).to(device)
+        lens_t, totals_t, used_t = table[:B], table[B : 2 * B], table[2 * B : 3 * B]
+        flat = table[3 * B :]  # every sequence's used pages, back to back
+        starts_t = totals_t - lens_t  # each sequence's first new position
+        seq_of_page = _runs_index(used_t, len(flat_list))
+        logical = torch.arange(len(flat_list), device=device) - _run_starts(used_t)[seq_of_page]
+        page_matrix = torch.zeros(Bp, self.num_pages, dtype=torch.long, device=device)
+        page_matrix[seq_of_page, logical] = flat  # [Bp, W]: row b is sequence b's page list
+
+        # A decode-only step reads the blocks of the previous one until a sequence's context
+        # spills into a new page or the table gives it other pages.
+        key = (Lq, tuple(pages)) if decode else None
+        if key is None or key != self._blocks_key or self._blocks is None:
+            self._blocks = self._build_blocks(
+                page_matrix, seq_of_page, logical, flat, starts_t, lens_t, rows
+            )
+            self._blocks_key = key
+            self.blocks_built += 1
+
+        # each new token: its sequence, its row among that sequence's queries, its slot
+        seq_of_token = _runs_index(lens_t, T)
+        row_of_token = torch.arange(T, device=device) - _run_starts(lens_t)[seq_of_token]
+        positions = starts_t[seq_of_token] + row_of_token
+        self._slots = page_matrix[seq_of_token, positions // S] * S + positions % S
+        self._rows = (seq_of_token, row_of_token)
+        self._padded_shape = (Bp, Lq)
+        q_start = torch.zeros(self.table_rows, dtype=torch.int32, device=device)
+        q_start[:B] = starts_t.to(torch.int32)
+        self._mask = self._block_mask(self._blocks, q_start, Lq)
+
+    def _build_blocks(
+        self,
+        page_matrix: torch.Tensor,
+        seq_of_page: torch.Tensor,
+        logical: torch.Tensor,
+        flat: torch.Tensor,
+        starts: torch.Tensor,
+        lens: torch.Tensor,
+        rows: int,
+    ) -> _Blocks:
+        """The pages each block of `q_block` query rows reads, split into full and masked.
+
+        Block r of sequence b holds its queries r*QB .. (r+1)*QB-1, at positions from
+        `first_pos`; it reads the sequence's logical pages 0 .. needed-1, of which pages
+        0 .. full-1 end before the page of `first_pos` (every query sees them whole).
+        """
+        S, QB = self.page_size, self.q_block
+        device = page_matrix.device
+        Bp, width = page_matrix.shape  # as wide as the store: torch's CPU kernel requires it
+        B = starts.shape[0]
+        self.table_rows = max(self.table_rows, Bp)
+        page_to_logical = torch.full(
+            (self.table_rows, self.num_pages), -1, dtype=torch.int32, device=device
+        )
+        page_to_logical[seq_of_page, flat] = logical.to(torch.int32)
+
+        starts_p = torch.zeros(Bp, dtype=torch.long, device=device)
+        lens_p = torch.zeros(Bp, dtype=torch.long, device=device)  # padding: no queries
+        starts_p[:B], lens_p[:B] = starts, lens
+        first_row = torch.arange(rows, device=device) * QB  # [R]
+        valid = first_row[None, :] < lens_p[:, None]  # [Bp, R]
+        last_row = torch.minimum(first_row[None, :] + QB, lens_p[:, None]) - 1
+        first_pos = starts_p[:, None] + first_row[None, :]
+        last_pos = starts_p[:, None] + last_row
+        needed = torch.where(valid, last_pos // S + 1, 0)
+        # pages wholly before the block's first query (its own page stays masked even when
+        # the query is its last slot: so a decode's blocks change only with its page count)
+        full = torch.where(valid, torch.minimum(first_pos // S, needed), 0)
+        by_row = page_matrix[:, None, :].expand(Bp, rows, width)
+        partial_at = (full[:, :, None] + torch.arange(width, device=device)).clamp(max=width - 1)
+
+        def shaped(t: torch.Tensor) -> torch.Tensor:  # [Bp, R(, W)] -> [Bp, 1, R(, W)] int32
+            return t.unsqueeze(1).to(torch.int32).contiguous()
+
+        return _Blocks(
+            kv_num_blocks=shaped(needed - full),
+            kv_indices=shaped(by_row.gather(2, partial_at)),
+            full_num_blocks=shaped(full),
+            full_indices=shaped(by_row),
+            page_to_logical=page_to_logical,
+        )
+
+    def _block_mask(self, blocks: _Blocks, q_start: torch.Tensor, Lq: int) -> BlockMask:
+        S = self.page_size
+        page_to_logical = blocks.page_to_logical
+
+        def causal_in_own_pages(b, h, q_idx, kv_idx):
+            # only the sequence's own pages are in its blocks, so `logical` is never -1 here
+            position = page_to_logical[b, kv_idx // S] * S + kv_idx % S
+            return position <= q_start[b] + q_idx
+
+        return BlockMask.from_kv_blocks(
+            blocks.kv_num_blocks,
+            blocks.kv_indices,
+            blocks.full_num_blocks,
+            blocks.full_indices,
+            BLOCK_SIZE=(self.q_block, S),
+            mask_mod=causal_in_own_pages,
+            seq_lengths=(Lq, self.num_pages * S),
+            compute_q_blocks=False,  # only a backward pass reads them
+        )
+
+    # ---- per layer -------------------------------------------------------------------------
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; stores k/v at their slots first."""
+        assert self._mask is not None and self._slots is not None and self._rows is not None
+        k_flat, v_flat = self._flat_k[layer], self._flat_v[layer]
+        k_flat.index_copy_(0, self._slots, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, self._slots, v.to(v_flat.dtype))
+        Bp, Lq = self._padded_shape
+        Hq, D = q.shape[1:]
+        seq, row = self._rows
+        padded = q.new_zeros(Bp, Lq, Hq, D)
+        padded[seq, row] = q
+        padded = padded.transpose(1, 2)  # [Bp, Hq, Lq, D]
+        _mark_dynamic(padded, self._mask, chunks=Lq > 1)
+        out = _compiled_flex()(
+            padded,
+            self._keys[layer],  # [1, Hkv, P*S, D]: the store, in place
+            self._values[layer],
+            block_mask=self._mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )  # [Bp, Hq, Lq, D]
+        return out.transpose(1, 2)[seq, row]  # [T, Hq, D]
+
+
+def _mark_dynamic(query: torch.Tensor, mask: BlockMask, *, chunks: bool) -> None:
+    """Compile one graph for every batch size (and, with chunks, every chunk length) from
+    the first call, rather than one for the first size and another when it changes."""
+    blocks = (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
+    for t in (query, *blocks):
+        torch._dynamo.maybe_mark_dynamic(t, 0)  # the batch
+        if chunks:
+            torch._dynamo.maybe_mark_dynamic(t, 2)  # query rows, or blocks of them
+
+
+def _run_starts(lengths: torch.Tensor) -> torch.Tensor:
+    """Where each run starts when runs of these lengths are laid back to back."""
+    return torch.cumsum(lengths, 0) - lengths
+
+
+def _runs_index(lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """For each element of the runs laid back to back, the index of its run (`total`, the
+    sum of `lengths`, is given so a GPU does not wait to learn the output's size)."""
+    runs = torch.arange(lengths.shape[0], device=lengths.device)
+    return torch.repeat_interleave(runs, lengths, output_size=total)
