@@ -120,12 +120,13 @@ class Engine:
             HostKVStore(host_slots, *geometry, device, kv_format) if host_slots else None
         )
         salt = root_salt(model.fingerprint, dtype_name(dtype), self.config.kv_format)
+        self.mover = KVPageMover(self.store, self.host_store)
         self.table = PageTable(
             num_pages,
             ps,
             salt,
             HostTier(host_slots) if host_slots else None,
-            KVPageMover(self.store, self.host_store),
+            self.mover,
         )
         self.attention = make_attention(
             self.store, self.attention_kind, max_batch=self.config.max_batch
@@ -329,6 +330,7 @@ class Engine:
         """The forward pass, outside the lock; on failure this step's requests fail (None)."""
         try:
             self.attention.prepare(step.batch, step.page_lists)
+            self.mover.wait_for_copies()  # pages restored from the host tier (CUDA)
             return self.transformer.forward(step.batch, self.attention)
         except Exception as exc:  # fail this step's requests, keep serving the others
             log.exception("forward pass failed")

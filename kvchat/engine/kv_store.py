@@ -9,17 +9,20 @@ view `[num_pages, page_size, n_kv_heads, head_dim]` for the attention.
 The host store is slot-major, `[num_slots, num_layers, page_size, n_kv_heads,
 head_dim]`, so a slot is one contiguous block: the device-to-host copy of a page
 lands in one DMA-friendly region. On CUDA it is pinned, which lets both
-directions run with `non_blocking=True`: they are ordered on the current stream
-with the kernels that read or overwrite the pages, so no synchronization is
-needed between them; only a CPU reader of host bytes must call `synchronize()`.
+directions run with `non_blocking=True` on a side stream (`copy_stream.py`) that
+the compute waits for before its next forward (`wait_for_copies`), so the CPU
+never waits for them; only a CPU reader of host bytes must call `synchronize()`.
 On a CPU device the host store is still a separate tensor pool, so the two tiers
 behave alike and the tests exercise the same copies.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from kvchat.engine.copy_stream import CopyStream
 from kvchat.model import huge_pages
 
 KV_FORMATS = ("native", "int8")
@@ -201,6 +204,8 @@ class KVPageMover:
         self._async = device_store.device.type == "cuda" and (
             host_store is None or host_store.pinned
         )
+        # host-tier copies on a side stream where there are streams (copy_stream.py)
+        self._side = CopyStream(device_store.device) if self._async else None
         if host_store is not None:
             for d, h in zip(device_store.parts, host_store.parts, strict=True):
                 if h.dtype != d.dtype or h.shape[1:] != (d.shape[0], *d.shape[2:]):
@@ -216,21 +221,34 @@ class KVPageMover:
             raise RuntimeError("this mover has no host store")
         return self.host_store
 
+    def _copying(self):
+        return self._side.copies() if self._side is not None else contextlib.nullcontext()
+
     def device_to_host(self, device_page: int, host_slot: int) -> None:
         # [L, S, Hkv, D] (strided across layers on the device) -> one contiguous host slot
-        for d, h in zip(self.device_store.parts, self._host().parts, strict=True):
-            h[host_slot].copy_(d[:, device_page], non_blocking=self._async)
+        with self._copying():
+            for d, h in zip(self.device_store.parts, self._host().parts, strict=True):
+                h[host_slot].copy_(d[:, device_page], non_blocking=self._async)
 
     def host_to_device(self, host_slot: int, device_page: int) -> None:
-        for d, h in zip(self.device_store.parts, self._host().parts, strict=True):
-            d[:, device_page].copy_(h[host_slot], non_blocking=self._async)
+        with self._copying():
+            for d, h in zip(self.device_store.parts, self._host().parts, strict=True):
+                d[:, device_page].copy_(h[host_slot], non_blocking=self._async)
+
+    def wait_for_copies(self) -> None:
+        """Order the compute after the host-tier copies issued so far: before a forward
+        pass, and before a device copy that may touch a restored page."""
+        if self._side is not None:
+            self._side.wait()
 
     def copy_tokens(self, src_page: int, dst_page: int, n_tokens: int) -> None:
         # [L, n, ...]: the first n slots of the page, every layer
+        self.wait_for_copies()
         for d in self.device_store.parts:
             d[:, dst_page, :n_tokens] = d[:, src_page, :n_tokens]
 
     def move_page(self, src_page: int, dst_page: int) -> None:
+        self.wait_for_copies()
         for d in self.device_store.parts:
             d[:, dst_page] = d[:, src_page]
 

@@ -100,6 +100,9 @@ def load_model(
     # read only this dtype's weights
     files = [folder / f"model-{dtype_name(torch_dtype)}.safetensors"] if source.is_file() else None
     tensors: dict = dict(read_tensors(folder, torch_dtype, dev, files=files))
+    note = dense_weights_note(dev, source.is_file(), weights, quantize)
+    if note:
+        progress(note)
     if source.is_file() and weights == "native" and dev.type == "cpu":
         quantized = _native_quantized(source, folder, config, torch_dtype, tensors, progress)
         if quantized:
@@ -125,6 +128,22 @@ def load_model(
         fingerprint=fingerprint,
         generation_defaults=_generation_defaults(folder),
     )
+
+
+def dense_weights_note(
+    device: torch.device, gguf: bool, weights: str, quantize: str | None
+) -> str | None:
+    """What a start off the CPU says about weights the CPU would keep quantized: kvchat's
+    4-bit and 8-bit kernels are CPU kernels, so elsewhere the weights are dense (bf16 where
+    the device computes it). None when nothing is dequantized."""
+    if device.type == "cpu":
+        return None
+    where = device.type.upper()
+    if gguf and weights == "native":
+        return f"4-bit weights dequantized on {where} (kvchat's 4-bit kernels are CPU-only)."
+    if quantize is not None:
+        return f"--quantize {quantize} is not applied on {where}: its weights stay dense."
+    return None
 
 
 def _native_quantized(source, folder, config, dtype, tensors, progress) -> dict:
