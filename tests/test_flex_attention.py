@@ -29,6 +29,19 @@ LAYERS, PAGES, PAGE, HKV, GROUP, D = 2, 64, 16, 2, 2, 16
 TINY_CACHE = PAGES * PAGE * 2 * LAYERS * HKV * D * 4  # bytes of 64 float32 pages
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _compile_fails_loudly():
+    """This module compiles several geometries and dtypes in one process (a user's process
+    compiles one): room for them, and an error rather than FlexAttention's silent uncompiled
+    fallback, which scores every slot of the store, should a test pass the limit."""
+    import torch._dynamo.config as dynamo
+
+    saved = dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit
+    dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit = 16, True
+    yield
+    dynamo.recompile_limit, dynamo.fail_on_recompile_limit_hit = saved
+
+
 def compiled_graphs() -> int:
     """Graphs torch.compile has built in this process (each a compile)."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
@@ -92,6 +105,19 @@ def test_flex_in_bfloat16_is_within_its_rounding_of_sdpa() -> None:
     runs, starts, page_lists = CASES["chunks of mixed lengths beside decodes"]
     flex, sdpa, _, _ = run_both(runs, starts, page_lists, dtype=torch.bfloat16, seed=3)
     assert torch.allclose(flex.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_uncompiled_fallback_gives_the_same_result(monkeypatch) -> None:
+    """Past torch's recompile limit FlexAttention runs uncompiled, reading every page of the
+    store through the mask: the mask alone must keep other sequences' pages out."""
+    from kvchat.engine import flex_attention
+
+    runs, starts, page_lists = CASES["chunks of mixed lengths beside decodes"]
+    compiled, sdpa, _, _ = run_both(runs, starts, page_lists)
+    monkeypatch.setattr(flex_attention, "_compiled_flex", lambda: flex_attention.flex_attention)
+    eager, _, _, _ = run_both(runs, starts, page_lists)
+    assert torch.allclose(eager, sdpa, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(eager, compiled, atol=1e-5, rtol=1e-5)
 
 
 def test_flex_equals_attention_written_out() -> None:
@@ -182,7 +208,7 @@ def test_engine_with_flex_matches_the_native_engine_in_float32(tiny) -> None:
     prompts = [[3 + (i * 7 + j) % 90 for j in range(10 + 13 * i)] for i in range(4)]
 
     def run(attention: str) -> list:
-        overrides = dict(attention=attention, step_token_budget=24, max_batch=4)
+        overrides = dict(attention=attention, step_token_budget=24)
         with small_engine(
             tiny, device_cache_bytes=TINY_CACHE, host_cache_bytes=0, **overrides
         ) as engine:

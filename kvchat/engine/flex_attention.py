@@ -111,6 +111,8 @@ class FlexPagedAttention:
         self._flat_v = [v_all[i].view(-1, Hkv, D) for i in range(layers)]
         self._keys = [as_sequence(k_all[i]) for i in range(layers)]  # views, made once
         self._values = [as_sequence(v_all[i]) for i in range(layers)]
+        for t in (*self._keys, *self._values):
+            _keep_static(t)
         self._blocks_key: tuple | None = None
         self._blocks: _Blocks | None = None
         self.blocks_built = 0  # how many steps built their blocks (the rest reused them)
@@ -181,6 +183,7 @@ class FlexPagedAttention:
         self._padded_shape = (Bp, Lq)
         q_start = torch.zeros(self.table_rows, dtype=torch.int32, device=device)
         q_start[:B] = starts_t.to(torch.int32)
+        _keep_static(q_start)
         self._mask = self._block_mask(self._blocks, q_start, Lq)
 
     def _build_blocks(
@@ -208,6 +211,7 @@ class FlexPagedAttention:
             (self.table_rows, self.num_pages), -1, dtype=torch.int32, device=device
         )
         page_to_logical[seq_of_page, flat] = logical.to(torch.int32)
+        _keep_static(page_to_logical)
 
         starts_p = torch.zeros(Bp, dtype=torch.long, device=device)
         lens_p = torch.zeros(Bp, dtype=torch.long, device=device)  # padding: no queries
@@ -240,9 +244,11 @@ class FlexPagedAttention:
         page_to_logical = blocks.page_to_logical
 
         def causal_in_own_pages(b, h, q_idx, kv_idx):
-            # only the sequence's own pages are in its blocks, so `logical` is never -1 here
-            position = page_to_logical[b, kv_idx // S] * S + kv_idx % S
-            return position <= q_start[b] + q_idx
+            # Only the sequence's own pages are in its blocks, but torch's uncompiled fallback
+            # (past its recompile limit) reads every page: pages of others are -1
+            logical = page_to_logical[b, kv_idx // S]
+            position = logical * S + kv_idx % S
+            return (logical >= 0) & (position <= q_start[b] + q_idx)
 
         return BlockMask.from_kv_blocks(
             blocks.kv_num_blocks,
@@ -268,18 +274,19 @@ class FlexPagedAttention:
         Bp, Lq = self._padded_shape
         Hq, D = q.shape[1:]
         seq, row = self._rows
-        padded = q.new_zeros(Bp, Lq, Hq, D)
-        padded[seq, row] = q
-        padded = padded.transpose(1, 2)  # [Bp, Hq, Lq, D]
-        _mark_dynamic(padded, self._mask, chunks=Lq > 1)
-        out = _compiled_flex()(
-            padded,
-            self._keys[layer],  # [1, Hkv, P*S, D]: the store, in place
-            self._values[layer],
-            block_mask=self._mask,
-            scale=self.scale,
-            enable_gqa=True,
-        )  # [Bp, Hq, Lq, D]
+        with torch.inference_mode():  # as in the forward pass: one graph whoever calls
+            padded = q.new_zeros(Bp, Lq, Hq, D)
+            padded[seq, row] = q
+            padded = padded.transpose(1, 2)  # [Bp, Hq, Lq, D]
+            _mark_dynamic(padded, self._mask, chunks=Lq > 1)
+            out = _compiled_flex()(
+                padded,
+                self._keys[layer],  # [1, Hkv, P*S, D]: the store, in place
+                self._values[layer],
+                block_mask=self._mask,
+                scale=self.scale,
+                enable_gqa=True,
+            )  # [Bp, Hq, Lq, D]
         return out.transpose(1, 2)[seq, row]  # [T, Hq, D]
 
 
@@ -291,6 +298,13 @@ def _mark_dynamic(query: torch.Tensor, mask: BlockMask, *, chunks: bool) -> None
         torch._dynamo.maybe_mark_dynamic(t, 0)  # the batch
         if chunks:
             torch._dynamo.maybe_mark_dynamic(t, 2)  # query rows, or blocks of them
+
+
+def _keep_static(t: torch.Tensor) -> None:
+    """Compile for this tensor's sizes as they are. Without it, a second store size in one
+    process (the tests') makes torch generalize the store's sizes and offsets, and then
+    recompile for every layer's view of the store until it gives up compiling."""
+    torch._dynamo.mark_static(t)
 
 
 def _run_starts(lengths: torch.Tensor) -> torch.Tensor:
