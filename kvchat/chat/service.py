@@ -10,18 +10,20 @@ Commands (`say`, `rename`, ...) may come from any thread; a lock guards the
 sessions and subscribers are always called outside it.
 
 Token ids are the heart of it (see `session.py`): the next prompt is the stored
-ids plus the renderer's continuation, never a re-render of old turns, unless
-the model changed, an edit cut the ids at its point, or the context overflowed,
-in which case the oldest turns after the system prompt are dropped in one step
-of at least a third of the context so the prefix changes rarely.
+ids plus the renderer's continuation, never a re-render of old turns; how each
+turn's prompt is planned (cut ids, drop the oldest turns) is `prompt_plan.py`,
+and a session's rows in the store are `session_records.py`.
+
+`SessionService` stays one class on purpose: its commands, the engine's events
+and the worker all change the same sessions under one lock, and the order in
+which they do (a reply stored before it is announced, a queued `say` started when
+the previous reply ends) is the service's contract.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -50,6 +52,7 @@ from kvchat.chat.events import (
     SessionNotice,
     SessionRenamed,
 )
+from kvchat.chat.prompt_plan import cut_ids, plan_prompt, reset_offsets
 from kvchat.chat.recovery import UnsavedReport, write_recovery
 from kvchat.chat.session import (
     Message,
@@ -58,11 +61,10 @@ from kvchat.chat.session import (
     Session,
     SessionView,
     TurnStats,
-    sampling_from_json,
-    sampling_to_json,
     session_markdown,
 )
-from kvchat.chat.store import MessageRecord, SessionRecord, Store
+from kvchat.chat.session_records import message_records, session_from_records, session_record
+from kvchat.chat.store import Store
 from kvchat.chat.write_behind import WriteBehind
 from kvchat.engine.api import (
     DraftProgress,
@@ -77,7 +79,7 @@ from kvchat.engine.api import (
     TokenGenerated,
     common_prefix,
 )
-from kvchat.errors import KvchatError, PromptTooLongError
+from kvchat.errors import KvchatError
 
 log = logging.getLogger("kvchat.chat")
 
@@ -102,14 +104,6 @@ class _Say:
     sampling: SamplingParams | None = None
     max_tokens: int | None = None
     ignore_eos: bool = False
-
-
-@dataclass(frozen=True)
-class _Plan:
-    prompt: list[int]
-    new_offset: int | None
-    full_render: bool
-    dropped: tuple[Message, ...] = ()
 
 
 @dataclass
@@ -176,37 +170,9 @@ class SessionService:
     def _load(self) -> None:
         self._store.purge_deleted(before=time.time())  # undo lasts until the next start
         fingerprint = self._engine.model_fingerprint
-        for record, message_records in self._store.load():
-            session = Session(
-                id=record.id,
-                title=record.title,
-                created=record.created,
-                updated=record.updated,
-                model_fingerprint=record.model_fingerprint,
-                sampling=sampling_from_json(record.sampling_json),
-                max_tokens=record.max_tokens,
-                archived=record.archived,
-                deleted_at=record.deleted_at,
-                ids=record.ids(),
-                ids_stale=record.ids_stale,
-            )
+        for record, rows in self._store.load():
+            session = session_from_records(record, rows)
             self._writes.seen(record.id, record.revision)
-            for m in message_records:
-                session.messages.append(
-                    Message(
-                        id=m.id,
-                        role=m.role,
-                        content=m.content,
-                        state=MessageState(m.state),
-                        offset=m.offset,
-                        ended_with_stop=m.ended_with_stop,
-                        in_context=m.in_context,
-                        stats=TurnStats.from_json(json.loads(m.stats_json))
-                        if m.stats_json
-                        else None,
-                        created=m.created,
-                    )
-                )
             runtime = _Runtime()
             if session.messages and session.model_fingerprint != fingerprint:
                 session.ids_stale = True
@@ -429,39 +395,8 @@ class SessionService:
         `messages` are the ones that changed (a new one is appended after every stored
         message, a new system prompt before them); `removed` are ids to delete.
         """
-        ids = array("I", session.ids)
-        ids.extend(extra_ids)
-        record = SessionRecord(
-            id=session.id,
-            title=session.title,
-            created=session.created,
-            updated=session.updated,
-            archived=session.archived,
-            deleted_at=session.deleted_at,
-            model_fingerprint=session.model_fingerprint,
-            token_ids=ids.tobytes(),
-            ids_stale=session.ids_stale,
-            sampling_json=sampling_to_json(session.sampling),
-            max_tokens=session.max_tokens,
-        )
-        seq = {m.id: i for i, m in enumerate(session.messages)}
-        pid = os.getpid()
-        records = [
-            MessageRecord(
-                id=m.id,
-                seq=seq[m.id],
-                role=m.role,
-                content=m.content,
-                state=str(m.state),
-                stats_json=json.dumps(m.stats.to_json()) if m.stats else None,
-                offset=m.offset,
-                ended_with_stop=m.ended_with_stop,
-                in_context=m.in_context,
-                owner_pid=pid if m.state == MessageState.STREAMING else None,
-                created=m.created,
-            )
-            for m in messages
-        ]
+        record = session_record(session, extra_ids)
+        records = message_records(session, messages)
         self._writes.add(record, records, list(removed))
         self._tasks.put(self._drain)
 
@@ -648,7 +583,7 @@ class SessionService:
                 raise KvchatError("there is no reply to regenerate")
             if session.messages[k - 1].role != "user":
                 raise KvchatError("the last reply does not follow a user message")
-            cut_ok = self._cut_ids(session, k)
+            cut_ok = cut_ids(session, k)
             removed = [m.id for m in session.messages[k:]]
             del session.messages[k:]
             if not cut_ok:
@@ -657,7 +592,7 @@ class SessionService:
                     self._renderer.prompt_ids([m.as_chat() for m in session.context_messages()]),
                 )
                 session.ids_stale = False
-                _reset_offsets(session.context_messages())
+                reset_offsets(session.context_messages())
             session.updated = time.time()
             events = self._start_reply(
                 session, _Say(""), also=list(session.messages), removed=removed
@@ -674,7 +609,7 @@ class SessionService:
                 raise KvchatError("there is no message of yours to edit")
             k = users[-1]
             saved = (array("I", session.ids), session.ids_stale, list(session.messages))
-            self._cut_ids(session, k)
+            cut_ids(session, k)
             removed = [m.id for m in session.messages[k:]]
             del session.messages[k:]
             try:
@@ -713,7 +648,7 @@ class SessionService:
                 ids_stale=source.ids_stale,
             )
             if at_message < n:
-                self._cut_ids(fork, at_message, source.messages[at_message])
+                cut_ids(fork, at_message, source.messages[at_message])
             self._sessions[fork.id] = fork
             self._runtime[fork.id] = _Runtime(last_stats=self._runtime[session_id].last_stats)
             self._persist(fork, fork.messages)
@@ -730,79 +665,18 @@ class SessionService:
         session.updated = time.time()
         self._persist(session, messages, **kw)
 
-    def _cut_ids(self, session: Session, k: int, at: Message | None = None) -> bool:
-        """Keep the ids before message k's rendering; False when its offset is unknown."""
-        message = at or (session.messages[k] if k < len(session.messages) else None)
-        if (
-            message is not None
-            and message.offset is not None
-            and message.in_context
-            and not session.ids_stale
-        ):
-            del session.ids[message.offset :]
-            return True
-        session.ids = array("I")
-        session.ids_stale = True
-        return False
-
-    def _plan(self, session: Session, new: Message, max_tokens: int) -> _Plan:
-        """The prompt for `new`: stored ids + continuation, or a render, fitted to the context."""
-        context = session.context_messages()
-        ctx_len = self._engine.context_length
-        reserve = min(max_tokens, ctx_len // 4)  # room to answer; a huge max_tokens stops at ctx
-        plan: _Plan | None = None
-        if (
-            not session.ids_stale
-            and len(session.ids) > 0
-            and context
-            and context[-1].role == "assistant"
-        ):
-            cont = self._renderer.continuation_ids(
-                [m.as_chat() for m in context],
-                [new.as_chat()],
-                reply_ended_with_stop=context[-1].ended_with_stop,
-                stop_token_id=session.ids[-1] if context[-1].ended_with_stop else None,
-            )
-            if cont is not None:
-                plan = _Plan(list(session.ids) + list(cont), len(session.ids), False)
-        if plan is None:
-            prompt = self._renderer.prompt_ids([m.as_chat() for m in [*context, new]])
-            plan = _Plan(prompt, 0 if not context else None, True)
-        if len(plan.prompt) + reserve <= ctx_len:
-            return plan
-        return self._drop_oldest_turns(context, new, len(plan.prompt), reserve, ctx_len)
-
-    def _drop_oldest_turns(
-        self, context: list[Message], new: Message, old_len: int, reserve: int, ctx_len: int
-    ) -> _Plan:
-        """Drop whole turns after the system prompt, at least a third of the context at once."""
-        head = context[:1] if context and context[0].role == "system" else []
-        body = context[len(head) :]
-        # a turn starts at a user message; cut candidates are the next turns' starts, then all
-        cuts = [i for i, m in enumerate(body) if m.role == "user" and i > 0] + [len(body)]
-        for cut in cuts:
-            kept = [*head, *body[cut:], new]
-            prompt = self._renderer.prompt_ids([m.as_chat() for m in kept])
-            fits = len(prompt) + reserve <= ctx_len
-            if fits and (old_len - len(prompt) >= ctx_len // 3 or cut == len(body)):
-                return _Plan(prompt, 0 if len(kept) == 1 else None, True, tuple(body[:cut]))
-        raise PromptTooLongError(
-            f"this message does not fit in the model's context of {ctx_len} tokens "
-            f"(with {reserve} kept for the reply); shorten it or lower max_tokens"
-        )
-
     def _start_say(self, session_id: str, say: _Say, removed: Iterable[str] = ()) -> list:
         """Append the user message and start its reply (lock held). Raises KvchatError."""
         session = self._sessions[session_id]
         draft_events = self._end_draft(session_id)
         user = _message("user", say.text)
         max_tokens = say.max_tokens or session.max_tokens or self._default_max_tokens
-        plan = self._plan(session, user, max_tokens)
+        plan = plan_prompt(session, user, max_tokens, self._renderer, self._engine.context_length)
         for m in plan.dropped:
             m.in_context = False
             m.offset = None
         if plan.full_render:
-            _reset_offsets(session.context_messages())
+            reset_offsets(session.context_messages())
         user.offset = plan.new_offset
         session.messages.append(user)
         session.ids = array("I", plan.prompt)
@@ -1016,9 +890,3 @@ def _message(role: str, content: str, state: MessageState = MessageState.COMPLET
     return Message(
         id=uuid.uuid4().hex, role=role, content=content, state=state, created=time.time()
     )
-
-
-def _reset_offsets(context: list[Message]) -> None:
-    """After a full render only the first message's offset (0) is known."""
-    for i, m in enumerate(context):
-        m.offset = 0 if i == 0 else None
