@@ -177,8 +177,9 @@ def start_engine(options: RuntimeOptions, progress: Callable[[str], None]):
         ):
             raise
         raise KvchatError(
-            f"the KV cache could not be allocated ({str(exc).splitlines()[0]}); "
-            "give --device-cache and --host-cache smaller sizes."
+            f"out of memory while loading the model and allocating its KV cache "
+            f"({str(exc).splitlines()[0][:200]}); give --device-cache and --host-cache "
+            "smaller sizes, or close other programs."
         ) from None
     return engine.model, engine
 

@@ -199,9 +199,10 @@ def parse_script(text: str, base_dir: Path) -> list[Op]:
         if not isinstance(obj, dict):
             raise ScriptError('each line must be a JSON object with an "op"', number)
         op = obj.get("op")
-        if op not in _OPS:
+        if not isinstance(op, str) or op not in _OPS:  # a list or an object is unhashable
             raise ScriptError(
-                f"unknown op {op!r}; the ops are {', '.join(_OPS)}"
+                f"unknown op {op if isinstance(op, str) else json.dumps(op)!r}; "
+                f"the ops are {', '.join(_OPS)}"
                 if op is not None
                 else 'missing "op"',
                 number,

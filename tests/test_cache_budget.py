@@ -95,3 +95,18 @@ async def test_the_tui_exits_2_when_the_cache_does_not_fit() -> None:
         await wait_until(pilot, lambda: isinstance(app.screen, FailedStartScreen), what="screen")
         await pilot.press("q")
     assert app.return_code == 2
+
+
+def test_an_allocation_the_budget_did_not_foresee_is_one_line(
+    tiny_llama_dir, capsys, monkeypatch
+) -> None:
+    monkeypatch.setattr("kvchat.runtime.check_cache_budget", lambda *_args: None)
+    code = main(
+        ["ask", "hi", "--model", str(tiny_llama_dir), "--dtype", "float32",
+         "--device-cache", "10TiB", "--host-cache", "0"]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "Traceback" not in err
+    last = err.splitlines()[-1]  # after the loading progress
+    assert last.startswith("kvchat: out of memory") and "--device-cache" in last

@@ -139,6 +139,8 @@ def test_a_script_with_every_op_prints_designs_events(tmp_path) -> None:
         ('{"op": "say", "session": "a"}', 'needs "text" or "file"'),
         ('{"op": "new", "session": "a"}', "already exists"),
         ('["say"]', "JSON object"),
+        ('{"op": []}', "unknown op '[]'"),
+        ('{"op": {"say": 1}}', "unknown op"),
     ],
 )
 def test_a_bad_script_is_refused_with_its_line_before_anything_runs(
