@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+from collections.abc import Callable
 
 from kvchat.engine.api import (
+    EngineEvent,
     FinishReason,
     GenerationRequest,
     RequestFinished,
@@ -20,7 +22,6 @@ from kvchat.engine.api import (
 from kvchat.errors import KvchatError, UsageError
 from kvchat.remote.options import remote_options
 from kvchat.runtime import (
-    OpenedBackend,
     describe_cache,
     open_chat_backend,
     read_settings,
@@ -41,66 +42,35 @@ def run_ask(args: argparse.Namespace) -> int:
 
     remote = remote_options(args, settings)
     backend = open_chat_backend(options, settings, progress, greedy=True, remote=remote)
-    if remote is not None:
-        return _ask_remote(args, backend, options.max_tokens or 512)
     engine = backend.chat.engine
-    progress(describe_cache(engine))
     messages = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
     messages.append({"role": "user", "content": args.question})
-    prompt = backend.chat.renderer.prompt_ids(messages)
     max_tokens = options.max_tokens or 512
+    if remote is not None:  # one turn through the server's `TurnPort`
+        from kvchat.chat.engine_port import Turn
+
+        turn = Turn("ask", tuple(messages), (), backend.sampling, max_tokens)
+        return _stream_answer(engine, lambda on_event: engine.submit_turn(turn, on_event))
+    progress(describe_cache(engine))
+    prompt = backend.chat.renderer.prompt_ids(messages)
     if len(prompt) + 1 >= engine.context_length:
         engine.close()
         raise KvchatError(
             f"The question is {len(prompt)} tokens long but the model's context holds "
             f"{engine.context_length}; shorten it."
         )
-    done = threading.Event()
-    result: list[RequestFinished] = []
-
-    def on_event(event) -> None:
-        if isinstance(event, TokenGenerated) and event.text:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
-        elif isinstance(event, RequestFinished):
-            result.append(event)
-            done.set()
-
     request = GenerationRequest(tuple(prompt), backend.sampling, max_tokens)
-    request_id = engine.submit(request, on_event)
-    try:
-        while not done.wait(0.2):
-            pass
-    except KeyboardInterrupt:
-        engine.cancel(request_id)
-        done.wait(10)
-    finally:
-        engine.close()
-    sys.stdout.write("\n")
-    finished = result[0] if result else None
-    if finished is None or finished.reason == FinishReason.CANCELLED:
-        print("kvchat: generation cancelled", file=sys.stderr)
-        return 130
-    if finished.reason == FinishReason.ERROR:
-        raise KvchatError(finished.error or "generation failed")
-    return 0
+    return _stream_answer(engine, lambda on_event: engine.submit(request, on_event))
 
 
-def _ask_remote(args, backend: OpenedBackend, max_tokens: int) -> int:
-    """The same answer from an OpenAI-compatible server: one turn through its `TurnPort`."""
-    from kvchat.chat.engine_port import Turn
-
-    engine = backend.chat.engine
-    messages = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    messages.append({"role": "user", "content": args.question})
+def _stream_answer(engine, submit: Callable[[Callable[[EngineEvent], None]], int]) -> int:
+    """Print the answer as it streams; ctrl+c cancels it; the engine is closed at the end."""
     done = threading.Event()
     result: list[RequestFinished] = []
 
-    def on_event(event) -> None:
+    def on_event(event: EngineEvent) -> None:
         if isinstance(event, TokenGenerated) and event.text:
             sys.stdout.write(event.text)
             sys.stdout.flush()
@@ -108,8 +78,7 @@ def _ask_remote(args, backend: OpenedBackend, max_tokens: int) -> int:
             result.append(event)
             done.set()
 
-    turn = Turn("ask", tuple(messages), (), backend.sampling, max_tokens)
-    request_id = engine.submit_turn(turn, on_event)
+    request_id = submit(on_event)
     try:
         while not done.wait(0.2):
             pass

@@ -10,7 +10,7 @@ the report unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -107,24 +107,31 @@ class SpeedPeer(Protocol):
     def close(self) -> None: ...
 
 
-def measure_speed(
-    prefill_seconds: Callable[[Sequence[int]], float],
-    decode_span: Callable[[Sequence[int], int], tuple[float, float, int]],
-    prompt_ids: Sequence[int],
-    prefill_lengths: Sequence[int],
-    decode_prompt: int,
-    decode_tokens: int,
-) -> SpeedResult:
-    """The speed workload, measured the same way for every peer.
+class SpeedMeasured:
+    """The speed workload, measured the same way for every peer that derives from this.
 
     Each prefill length runs once to set its shape up, then once timed
-    (`prefill_seconds`). Then one batch-1 generation of `decode_tokens` after
-    `decode_prompt` tokens: `decode_span` gives (time of the first token, time of
+    (`_prefill_seconds`). Then one batch-1 generation of `decode_tokens` after
+    `decode_prompt` tokens: `_decode_span` gives (time of the first token, time of
     the last, tokens generated), and the rate counts the tokens after the first.
     """
-    prefill: dict[int, float] = {}
-    for n in prefill_lengths:
-        prefill_seconds(prompt_ids[:n])  # the first call of a shape sets it up
-        prefill[n] = n / prefill_seconds(prompt_ids[:n])
-    first, last, tokens = decode_span(prompt_ids[:decode_prompt], decode_tokens)
-    return SpeedResult(prefill, (tokens - 1) / (last - first) if tokens > 1 else 0.0)
+
+    def _prefill_seconds(self, ids: Sequence[int]) -> float:
+        raise NotImplementedError
+
+    def _decode_span(self, ids: Sequence[int], tokens: int) -> tuple[float, float, int]:
+        raise NotImplementedError
+
+    def speed(
+        self,
+        prompt_ids: Sequence[int],
+        prefill_lengths: Sequence[int],
+        decode_prompt: int,
+        decode_tokens: int,
+    ) -> SpeedResult:
+        prefill: dict[int, float] = {}
+        for n in prefill_lengths:
+            self._prefill_seconds(prompt_ids[:n])  # the first call of a shape sets it up
+            prefill[n] = n / self._prefill_seconds(prompt_ids[:n])
+        first, last, tokens = self._decode_span(prompt_ids[:decode_prompt], decode_tokens)
+        return SpeedResult(prefill, (tokens - 1) / (last - first) if tokens > 1 else 0.0)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvchat.bench.peers.base import BatchResult, PeerUnavailable, SpeedResult, measure_speed
+from kvchat.bench.peers.base import BatchResult, PeerUnavailable, SpeedMeasured
 from kvchat.model.device import dtype_name
 
 INSTALL_HINT = "install the bench extra: pip install 'kvchat[bench]'"
@@ -40,7 +40,7 @@ class FirstTokenClock:
         pass
 
 
-class HfModel:
+class HfModel(SpeedMeasured):
     """transformers' model and tokenizer for the kvchat model's weights."""
 
     name = "transformers"
@@ -126,22 +126,6 @@ class HfModel:
         _sync(self.device)
         first = clock.first if clock.first is not None else time.perf_counter()
         return first, out[0, len(ids) :].tolist()
-
-    def speed(
-        self,
-        prompt_ids: Sequence[int],
-        prefill_lengths: Sequence[int],
-        decode_prompt: int,
-        decode_tokens: int,
-    ) -> SpeedResult:
-        return measure_speed(
-            self._prefill_seconds,
-            self._decode_span,
-            prompt_ids,
-            prefill_lengths,
-            decode_prompt,
-            decode_tokens,
-        )
 
     def _decode_span(self, ids: Sequence[int], tokens: int) -> tuple[float, float, int]:
         start_first, _ = self.generate(ids, tokens)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvchat.bench.peers.base import BatchResult, SpeedResult, TurnResult, measure_speed
+from kvchat.bench.peers.base import BatchResult, SpeedMeasured, TurnResult
 from kvchat.chat.events import ReplyDelta, ReplyFinished, SessionFailed
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
@@ -179,7 +179,7 @@ class _Stream:
             raise KvchatError(f"kvchat failed a bench request: {self.error}")
 
 
-class KvchatPeer:
+class KvchatPeer(SpeedMeasured):
     def __init__(
         self,
         model,
@@ -255,22 +255,6 @@ class KvchatPeer:
     ) -> KvchatChat:
         cfg = self.config(capacity_tokens, device_bytes=device_bytes, host_bytes=host_bytes)
         return KvchatChat(self.model, cfg)
-
-    def speed(
-        self,
-        prompt_ids: Sequence[int],
-        prefill_lengths: Sequence[int],
-        decode_prompt: int,
-        decode_tokens: int,
-    ) -> SpeedResult:
-        return measure_speed(
-            self._prefill_seconds,
-            self._decode_span,
-            prompt_ids,
-            prefill_lengths,
-            decode_prompt,
-            decode_tokens,
-        )
 
     def _decode_span(self, ids: Sequence[int], tokens: int) -> tuple[float, float, int]:
         """One greedy generation on a fresh engine (after a short warm-up request)."""

@@ -28,9 +28,8 @@ from kvchat.bench.peers.base import (
     BatchResult,
     NotApplicable,
     PeerUnavailable,
-    SpeedResult,
+    SpeedMeasured,
     TurnResult,
-    measure_speed,
 )
 from kvchat.engine.token_ids import common_prefix
 
@@ -79,7 +78,7 @@ class LlamaCppChat:
         pass
 
 
-class LlamaCppPeer:
+class LlamaCppPeer(SpeedMeasured):
     name = "llama.cpp"
 
     def __init__(self, kvchat_model, progress=lambda _m: None) -> None:
@@ -139,22 +138,6 @@ class LlamaCppPeer:
 
     def chat(self, capacity_tokens: int) -> LlamaCppChat:
         return LlamaCppChat(self)
-
-    def speed(
-        self,
-        prompt_ids: Sequence[int],
-        prefill_lengths: Sequence[int],
-        decode_prompt: int,
-        decode_tokens: int,
-    ) -> SpeedResult:
-        return measure_speed(
-            self._prefill_seconds,
-            self._decode_span,
-            prompt_ids,
-            prefill_lengths,
-            decode_prompt,
-            decode_tokens,
-        )
 
     def _prefill_seconds(self, ids: Sequence[int]) -> float:
         self.llm.reset()
