@@ -6,10 +6,10 @@ the tree, the time gives the order of last use. The folder may hold pages of sev
 models (one salt folder each); they share the capacity and the same eviction order.
 
 Eviction, when a new page would pass the capacity, follows the other tiers' order
-for the same reasons (see `PageTable`): orphans first (an entry whose parent is neither
-a root salt nor indexed can never be reached by a lookup walk), then whole trees by
-least-recently-used root, deepest page first, so the longest prefix of a conversation
-survives longest on disk too.
+for the same reasons (`eviction.tier_eviction_order`): orphans first (an entry whose
+parent is neither a root salt nor indexed can never be reached by a lookup walk),
+then whole trees by least-recently-used root, deepest page first, so the longest
+prefix of a conversation survives longest on disk too.
 
 Pure bookkeeping (no I/O, not thread-safe): `DiskTier` wraps it under a lock.
 """
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
+
+from kvchat.engine.eviction import tier_eviction_order
 
 
 @dataclass(frozen=True)
@@ -104,38 +106,14 @@ class DiskIndex:
         return out
 
     def eviction_order(self, protect: Collection[bytes] = ()) -> list[bytes]:
-        """Droppable hashes, first victim first: orphans, then trees by LRU root, deepest first."""
-        memo: dict[bytes, tuple[bool, float, bytes, int]] = {}
-        keyed: list[tuple[int, float, bytes, int, bytes]] = []
-        for h in self._entries:
-            orphan, root_clock, root, depth = self._resolve(h, memo)
-            if h in protect:
-                continue
-            if orphan:
-                keyed.append((0, 0.0, b"", -depth, h))
-            else:  # the root's hash keeps trees with equal times from interleaving
-                keyed.append((1, root_clock, root, -depth, h))
-        keyed.sort()
-        return [k[-1] for k in keyed]
+        """Droppable hashes, first victim first: orphans, then trees by LRU root, deepest first.
 
-    def _resolve(
-        self, h: bytes, memo: dict[bytes, tuple[bool, float, bytes, int]]
-    ) -> tuple[bool, float, bytes, int]:
-        path: list[bytes] = []
-        cur = h
-        while cur not in memo and cur in self._entries:
-            path.append(cur)
-            cur = self._entries[cur].parent
-        if cur in memo:
-            orphan, root_clock, root, depth = memo[cur]
-        else:  # `cur` is not indexed: the top of the path is a root if `cur` is its salt
-            top = self._entries[path[-1]]
-            orphan = cur != top.salt
-            root, root_clock, depth = top.hash, top.last_used, 0
-        for node in reversed(path):
-            depth += 1
-            memo[node] = (orphan, root_clock, root, depth)
-        return memo[h]
+        A chain's top is a root when the parent it names is its own salt.
+        """
+        entries = self._entries
+        return tier_eviction_order(
+            entries, lambda outside, top: outside == entries[top].salt, protect
+        )
 
     def problems(self) -> list[str]:
         """Every broken invariant of the index, as precise messages (empty when sound)."""

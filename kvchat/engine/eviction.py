@@ -26,18 +26,21 @@ go before all trees since they are pure waste.
 
 Evicting a full indexed page copies it to the host tier (or finds it there
 already); a partial page, or any page without a host tier, is dropped (the page
-table does that part). Referenced pages are never victims. The host tier drops
-its own slots in the same order.
+table does that part). Referenced pages are never victims. The host and disk
+tiers drop their own entries in the same order (`tier_eviction_order`), each
+looking only at its own entries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
-from kvchat.engine.host_tier import HostTier
-from kvchat.engine.page_records import Page
-from kvchat.engine.prefix_index import PrefixIndex
+if TYPE_CHECKING:  # annotations only: the host tier imports this module
+    from kvchat.engine.host_tier import HostTier
+    from kvchat.engine.page_records import Page
+    from kvchat.engine.prefix_index import PrefixIndex
 
 
 @dataclass(frozen=True)
@@ -108,4 +111,68 @@ def _resolve(
         else:
             place = _Place(place.orphan, place.root_clock, place.root, place.depth + 1)
         memo[node] = place
+    return memo[h]
+
+
+class TierEntry(Protocol):
+    """What the order needs of an entry of a lower tier (host slots, disk files)."""
+
+    @property
+    def parent(self) -> bytes: ...
+
+    @property
+    def last_used(self) -> float: ...
+
+
+def tier_eviction_order(
+    entries: Mapping[bytes, TierEntry],
+    anchored: Callable[[bytes, bytes], bool],
+    protect: Collection[bytes] = (),
+    tiebreak: Callable[[bytes], int] | None = None,
+) -> list[bytes]:
+    """One tier's droppable hashes, first victim first: orphans, then trees by LRU root,
+    deepest first (the module docstring says why).
+
+    A chain whose top entry `top` has a parent `outside` that this tier does not hold
+    still leads to the root when `anchored(outside, top)`; otherwise its entries are
+    orphans. `protect` are never returned; `tiebreak` orders entries the rest leaves
+    equal. A scan over all entries, called once per drop.
+    """
+    # memo: hash -> (orphan, its tree root's clock, the root's hash, depth within this tier)
+    memo: dict[bytes, tuple[bool, float, bytes, int]] = {}
+    keyed: list[tuple[int, float, bytes, int, int, bytes]] = []
+    for h in entries:
+        orphan, root_clock, root, depth = _resolve_in_tier(h, entries, anchored, memo)
+        if h in protect:
+            continue
+        tie = tiebreak(h) if tiebreak is not None else 0
+        if orphan:
+            keyed.append((0, 0, b"", -depth, tie, h))
+        else:  # the root's hash keeps trees with equal clocks from interleaving
+            keyed.append((1, root_clock, root, -depth, tie, h))
+    keyed.sort()
+    return [k[-1] for k in keyed]
+
+
+def _resolve_in_tier(
+    h: bytes,
+    entries: Mapping[bytes, TierEntry],
+    anchored: Callable[[bytes, bytes], bool],
+    memo: dict[bytes, tuple[bool, float, bytes, int]],
+) -> tuple[bool, float, bytes, int]:
+    path: list[bytes] = []
+    cur = h
+    while cur not in memo and cur in entries:
+        path.append(cur)
+        cur = entries[cur].parent
+    if cur in memo:
+        orphan, root_clock, root, depth = memo[cur]
+    else:  # `cur` is outside this tier: the top of the path is a root if it is anchored
+        root = path[-1]
+        orphan = not anchored(cur, root)
+        root_clock = entries[root].last_used
+        depth = 0
+    for node in reversed(path):
+        depth += 1
+        memo[node] = (orphan, root_clock, root, depth)
     return memo[h]

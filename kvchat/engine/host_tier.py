@@ -13,7 +13,7 @@ and evicting it from the device again later then costs no copy. Residency counts
 such a page once, at the device.
 
 When the tier is full, a slot is dropped in the page table's order, for the same
-reasons (see `eviction`): orphans first (an entry whose parent is in neither
+reasons (`eviction.tier_eviction_order`): orphans first (an entry whose parent is in neither
 tier can never be matched again), then whole trees by least-recently-used root,
 deepest page first, so the longest prefix of each conversation survives longest.
 Partial pages never come here: the page table drops them on eviction.
@@ -25,6 +25,7 @@ import heapq
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
+from kvchat.engine.eviction import tier_eviction_order
 from kvchat.engine.page_hash import page_hash
 
 
@@ -138,43 +139,10 @@ class HostTier:
         A scan over all entries (a few hundred to a few thousand); called once per
         dropped slot, which is rare next to the copy it pays for.
         """
-        # memo: hash -> (orphan, its tree root's clock, the root's hash, depth within this tier)
-        memo: dict[bytes, tuple[bool, int, bytes, int]] = {}
-        keyed: list[tuple[int, int, bytes, int, int, bytes]] = []
-        for h, entry in self._entries.items():
-            orphan, root_clock, root, depth = self._resolve(h, anchored, memo)
-            if h in protect:
-                continue
-            if orphan:
-                keyed.append((0, 0, b"", -depth, entry.slot, h))
-            else:  # the root's hash keeps trees with equal clocks from interleaving
-                keyed.append((1, root_clock, root, -depth, entry.slot, h))
-        keyed.sort()
-        return [k[-1] for k in keyed]
-
-    def _resolve(
-        self,
-        h: bytes,
-        anchored: Callable[[bytes], bool],
-        memo: dict[bytes, tuple[bool, int, bytes, int]],
-    ) -> tuple[bool, int, bytes, int]:
-        path: list[bytes] = []
-        cur = h
-        while cur not in memo and cur in self._entries:
-            path.append(cur)
-            cur = self._entries[cur].parent
-        if cur in memo:
-            orphan, root_clock, root, depth = memo[cur]
-        else:
-            # `cur` is outside this tier: the top of the path is a root if `cur` is anchored.
-            orphan = not anchored(cur)
-            root = path[-1]
-            root_clock = self._entries[root].last_used
-            depth = 0
-        for node in reversed(path):
-            depth += 1
-            memo[node] = (orphan, root_clock, root, depth)
-        return memo[h]
+        entries = self._entries
+        return tier_eviction_order(
+            entries, lambda outside, _top: anchored(outside), protect, lambda h: entries[h].slot
+        )
 
     def remove(self, page_hash_: bytes) -> None:
         """Forget a page (its slot becomes free). Not counted as a drop."""
