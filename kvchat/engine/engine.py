@@ -12,6 +12,10 @@ drains, and `stats()` returns the snapshot published after the last step. The
 page table is touched by the step thread only, except `residency()`, which reads
 it under a lock that the step thread holds for bookkeeping but never across a
 forward pass.
+
+`Engine` stays one class on purpose: its thread-safe API and its step loop share
+that lock, the inbox and the live requests, and a request's whole life (validated,
+admitted, computed, sampled, finished, counted in the stats) reads in one place.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ masked when there are several; a single sequence with a long context is sliced i
 batch of parts merged by log-sum-exp, so both cores share the work); prefill chunks
 run SDPA per sequence, causal from the first new token on. Both fold grouped-query
 heads into query rows, so K/V stream once per kv head rather than once per query head.
+
+It stays one module: `prepare` decides once per forward which of these paths each
+sequence takes, and every layer's call follows that decision with the same slots.
 """
 
 from __future__ import annotations

@@ -33,7 +33,9 @@
 // for every row, and the next tile's K/V rows prefetched. A long context is read from
 // memory, not cache, in a real step (the weights pass through between layers), so the
 // prefetch matters as much as the arithmetic. Measurements: docs/kernels.md.
-// Compiled on first use by kvchat/native/build.py.
+// Compiled on first use by kvchat/native/build.py. One file on purpose: it is one
+// translation unit built on the user's machine, and every path shares the work items
+// and the merge pass above.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
