@@ -16,7 +16,7 @@ import pytest
 
 from kvchat.chat import service as service_module
 from kvchat.chat.engine_port import ChatBackend
-from kvchat.chat.events import ChatEvent, SaveFailed, SaveRecovered
+from kvchat.chat.events import ChatEvent, ReplyFinished, SaveFailed, SaveRecovered
 from kvchat.chat.recovery import write_recovery
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import MessageRecord, SessionRecord, Store
@@ -256,3 +256,27 @@ async def test_the_tui_shows_a_banner_until_saving_works_and_quits_1_with_the_fi
     saved = json.loads(app.unsaved.path.read_text())["sessions"][0]["messages"]
     assert saved[0]["content"] == "lost?" and saved[1]["role"] == "assistant"
     assert [m[2] for m in stored(db)["hello"] if m[0] == "user"] == ["hello", "again"]
+
+
+def test_a_reply_is_stored_whole_before_it_is_announced(tmp_path) -> None:
+    """What a subscriber is told finished (a printed `reply`, a turn shown done) is
+    already in the database: a kill -9 the moment after cannot lose it."""
+    db = tmp_path / "sessions.sqlite3"
+    service, engine, _, _ = make_service(db)
+    seen_in_db: list[list[tuple[str, str, str]]] = []
+
+    def on_event(event: ChatEvent) -> None:
+        if isinstance(event, ReplyFinished):
+            seen_in_db.append(stored(db)["chat"])
+
+    service.subscribe(on_event)
+    try:
+        sid = service.create_session("chat")
+        for text in ("one", "two"):
+            service.say(sid, text)
+            assert service.wait_idle(sid, 10)  # returns once ReplyFinished was published
+    finally:
+        service.close()
+        engine.close()
+    shown = [(m.role, "complete", m.content) for m in service.messages(sid)]
+    assert seen_in_db == [shown[:2], shown]
