@@ -160,21 +160,20 @@ def run_script(
     runner = _Runner(service, out, stream)
     try:
         code = runner.run(ops)
-    finally:
+    finally:  # also when interrupted: the path of what could not be saved is printed
         unsaved = service.close()
-    if unsaved is not None:
-        out.emit(
-            {
-                "event": "error",
-                "message": unsaved.summary(),
-                "line": None,
-                "recovery_file": str(unsaved.path) if unsaved.path else None,
-            }
-        )
-        if unsaved.path is None:
-            (stderr or sys.stderr).write(unsaved.text)
-        return EXIT_FAILED
-    return code
+        if unsaved is not None:
+            out.emit(
+                {
+                    "event": "error",
+                    "message": unsaved.summary(),
+                    "line": None,
+                    "recovery_file": str(unsaved.path) if unsaved.path else None,
+                }
+            )
+            if unsaved.path is None:
+                (stderr or sys.stderr).write(unsaved.text)
+    return EXIT_FAILED if unsaved is not None else code
 
 
 class _Runner:
