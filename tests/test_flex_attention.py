@@ -13,6 +13,9 @@ import pytest
 import torch
 import torch._dynamo.utils
 
+# loaded mid-session, transformers' Llama would register types that invalidate compiled graphs
+from transformers import LlamaForCausalLM  # noqa: F401
+
 from kvchat.engine import attention_choice
 from kvchat.engine.attention_choice import resolve_attention
 from kvchat.engine.flex_attention import FlexPagedAttention
