@@ -54,6 +54,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "--host-cache", metavar="SIZE", help="KV cache tier in host memory (0 disables it)"
     )
     p.add_argument(
+        "--disk-cache",
+        metavar="SIZE",
+        help="KV cache tier on disk, kept across restarts (0 disables it; "
+        "default: 8GiB or a tenth of the free disk, the smaller)",
+    )
+    p.add_argument(
         "--page-size", type=int, metavar="N", help="tokens per KV page (power of two, >= 16)"
     )
     p.add_argument(
@@ -130,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
         "git-ignored)",
     )
     _add_model_options(bench)
+    cache = sub.add_parser(
+        "cache", help="show the KV cache tiers' sizes; `cache clear` empties disk"
+    )
+    cache.add_argument("action", nargs="?", choices=["clear"], help="clear: empty the disk tier")
+    for tier in ("device", "host", "disk"):
+        cache.add_argument(f"--{tier}-cache", metavar="SIZE", help="as for `kvchat chat`")
     sub.add_parser("models", help="list the models kvchat knows locally")
     sub.add_parser("paths", help="print where kvchat keeps its files")
     return parser
@@ -156,6 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_ask(args)
         if command == "models":
             return _models()
+        if command == "cache":
+            from kvchat.cache_command import run_cache
+
+            return run_cache(args)
         if command == "paths":
             from kvchat.chat.error_log import paths_report
 

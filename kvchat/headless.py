@@ -287,6 +287,7 @@ def main(args) -> int:
     def services() -> ChatBackend:
         backend = open_chat_backend(options, settings, progress, greedy=True, remote=remote)
         opened.append(backend)
+        progress(backend.describe())  # the cache tiers' sizes (the disk tier's default too)
         return backend.chat
 
     try:

@@ -39,6 +39,11 @@ class AppPaths:
         return self.cache_dir / "models"
 
     @property
+    def kv_cache_dir(self) -> Path:
+        """The KV cache's disk tier: one file per page, named by its salted hash."""
+        return self.cache_dir / "kv"
+
+    @property
     def error_log(self) -> Path:
         return self.log_dir / "errors.log"
 

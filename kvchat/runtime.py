@@ -18,7 +18,7 @@ from kvchat.chat.engine_port import ChatBackend
 from kvchat.chat.settings import MIN_PAGE_SIZE, Settings, is_page_size, load_settings
 from kvchat.engine.api import SamplingParams
 from kvchat.errors import KvchatError, UsageError
-from kvchat.units import parse_size
+from kvchat.units import format_size, parse_size
 
 if TYPE_CHECKING:
     from kvchat.remote.server import RemoteOptions
@@ -41,6 +41,7 @@ class RuntimeOptions:
     attention: str | None = None  # None: the device's default (flex on CUDA, native else)
     # option -> where its value came from ("--device-cache", or "FILE, line N" in the settings)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+    disk_cache: int | None = None  # None: the default size (`disk_cache_bytes`)
 
 
 def read_settings(warn: Callable[[str], None] | None = None) -> Settings:
@@ -104,6 +105,7 @@ def resolve_options(args: argparse.Namespace, settings: Settings) -> RuntimeOpti
         )
     device_cache = size("device_cache", zero_is_off=False)
     host_cache = size("host_cache", zero_is_off=True)
+    disk_cache = size("disk_cache", zero_is_off=True)
     return RuntimeOptions(
         model=pick("model"),
         dtype=pick("dtype"),
@@ -119,7 +121,18 @@ def resolve_options(args: argparse.Namespace, settings: Settings) -> RuntimeOpti
         kv=pick("kv") or "native",
         attention=pick("attention"),
         sources=sources,
+        disk_cache=disk_cache,
     )
+
+
+def disk_cache_bytes(options: RuntimeOptions) -> int:
+    """The disk tier's size: as set, else 8 GiB or a tenth of the free disk, the smaller."""
+    from kvchat.engine.disk_tier import default_disk_cache_bytes
+    from kvchat.paths import app_paths
+
+    if options.disk_cache is not None:
+        return options.disk_cache
+    return default_disk_cache_bytes(app_paths().kv_cache_dir)
 
 
 def engine_config(options: RuntimeOptions):
@@ -131,6 +144,7 @@ def engine_config(options: RuntimeOptions):
         host_cache_bytes=options.host_cache,
         kv_format=options.kv,
         attention=options.attention,
+        disk_cache_bytes=disk_cache_bytes(options),
     )
 
 
@@ -291,9 +305,18 @@ def describe_cache(engine) -> str:
     dev = s.pages["device"].capacity
     host = s.pages["host"].capacity
     per_page = engine.store.nbytes() // max(dev, 1)
+    disk = s.pages.get("disk")
+    disk_text = (
+        f"disk tier {format_size(s.disk_bytes.capacity)} at {engine.disk.root} "
+        f"({disk.cached} pages of this model found)"
+        if disk is not None and engine.disk is not None
+        else "disk tier off"
+    )
+    if s.disk_notice:
+        disk_text += f" ({s.disk_notice})"
     return (
         f"KV cache: {dev} pages x {ps} tokens on {engine.transformer.device.type} "
         f"({dev * ps:,} tokens, {dev * per_page / 2**20:.0f} MiB), host tier {host} pages "
-        f"({host * ps:,} tokens, {host * per_page / 2**20:.0f} MiB); attention: "
+        f"({host * ps:,} tokens, {host * per_page / 2**20:.0f} MiB), {disk_text}; attention: "
         f"{describe_attention(engine.attention_kind, engine.transformer.device)}"
     )

@@ -1,11 +1,12 @@
 """Randomized operation sequences against the page table, checking invariants after each step.
 
-Tiny pools (page size 4, 4-16 device pages, 0-8 host slots) and a three-token
+Tiny pools (page size 4, 4-16 device pages, 0-8 host slots, a disk tier or not) and a three-token
 alphabet make prefixes collide, pages evict and chains break all the time. After
 every step `validate()` must hold, and the fake K/V store must agree with the
 table: every live sequence's pages hold exactly its token prefixes, and every
-cached device page and host slot holds the prefixes its hash names. That proves
-the data followed the pages through evictions, restores, tail copies and moves.
+cached device page, host slot and disk page holds the prefixes its hash names.
+That proves the data followed the pages through evictions, restores, tail copies,
+moves, disk reads, restarts and disk pages that fail their checks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvchat.engine.host_tier import HostTier
 from kvchat.engine.page_hash import page_hash
 from kvchat.engine.page_table import PageTable
-from tests.page_table_helpers import PS, SALT, FakeMover, assert_data
+from tests.disk_helpers import DiskMover, FakeDisk
+from tests.page_table_helpers import PS, SALT, assert_data
 
 MONOTONIC = (
     "device_to_host",
@@ -28,6 +30,9 @@ MONOTONIC = (
     "cached_host",
     "prefilled_tokens",
     "recomputed_tokens",
+    "cached_disk",
+    "host_to_disk",
+    "device_to_disk",
 )
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=14)
 
@@ -52,11 +57,21 @@ class PageTableMachine(RuleBasedStateMachine):
         self.histories: list[list[int]] = [[0, 1, 2, 0, 1]]  # released conversations
         self.counters = [0] * len(MONOTONIC)
 
-    @initialize(num_pages=st.integers(4, 16), host_slots=st.none() | st.integers(0, 8))
-    def setup(self, num_pages: int, host_slots: int | None) -> None:
-        self.mover = FakeMover(num_pages, host_slots or 0)
+    @initialize(
+        num_pages=st.integers(4, 16),
+        host_slots=st.none() | st.integers(0, 8),
+        disk_pages=st.none() | st.integers(0, 12),
+    )
+    def setup(self, num_pages: int, host_slots: int | None, disk_pages: int | None) -> None:
+        self.shape = (num_pages, host_slots)
+        self.disk = None if disk_pages is None else FakeDisk(capacity=disk_pages)
+        self._new_table()
+
+    def _new_table(self) -> None:
+        num_pages, host_slots = self.shape
+        self.mover = DiskMover(num_pages, host_slots or 0)
         host = None if host_slots is None else HostTier(host_slots)
-        self.table = PageTable(num_pages, PS, SALT, host, self.mover)
+        self.table = PageTable(num_pages, PS, SALT, host, self.mover, self.disk)
 
     def _compute(self, sid: int, upto: int) -> None:
         """Write and commit K/V for the sequence's tokens up to `upto` (as the engine does)."""
@@ -79,7 +94,7 @@ class PageTableMachine(RuleBasedStateMachine):
             assert self.table.stats() == before
             return None
         n = len(toks)
-        assert res.to_compute_from == res.cached_device + res.cached_host <= n - 1
+        assert res.to_compute_from == res.cached_device + res.cached_host + res.cached_disk <= n - 1
         assert res.reused_tail <= res.cached_device
         assert len(res.pages) * PS >= n + 1 and len(set(res.pages)) == len(res.pages)
         self.tokens[sid] = list(toks)
@@ -152,17 +167,32 @@ class PageTableMachine(RuleBasedStateMachine):
         toks = self.histories[pick % len(self.histories)] + extra
         before = self._snapshot()
         r = self.table.residency(toks)
-        assert r.device + r.host + r.nowhere == len(toks)
-        assert min(r.device, r.host, r.nowhere) >= 0
+        assert r.device + r.host + r.disk + r.nowhere == len(toks)
+        assert min(r.device, r.host, r.disk, r.nowhere) >= 0
         assert self._snapshot() == before
 
     @rule(pick=st.integers(0, 50))
     def prefetch(self, pick: int) -> None:
         pushed = [h for h in self.histories if self.table.residency(h).host]
         toks = (pushed or self.histories)[pick % len(pushed or self.histories)]
-        host_before = self.table.residency(toks).host
+        before = self.table.residency(toks)
         restored = self.table.prefetch(toks)
-        assert 0 <= restored * PS <= host_before
+        assert 0 <= restored * PS <= before.host + before.disk
+
+    @precondition(lambda m: m.disk is not None)
+    @rule()
+    def restart(self) -> None:
+        """kvchat quits and starts again: only the disk tier keeps anything."""
+        for sid in sorted(self.tokens):
+            self._release(sid)
+        self._new_table()
+        self.counters = [0] * len(MONOTONIC)
+
+    @precondition(lambda m: m.disk is not None and bool(m.disk.pages))
+    @rule(pick=st.integers(0, 50))
+    def a_disk_page_fails_its_checks(self, pick: int) -> None:
+        assert self.disk is not None
+        self.disk.broken.add(sorted(self.disk.pages)[pick % len(self.disk.pages)])
 
     @rule(max_moves=st.none() | st.integers(1, 4))
     def defragment(self, max_moves: int | None) -> None:
@@ -199,6 +229,10 @@ class PageTableMachine(RuleBasedStateMachine):
                 slot = self.mover.host[hp.slot]
                 assert tuple(s[-1] for s in slot if s) == hp.tokens
                 assert chain_hash(slot[-1] or ()) == hp.hash
+        if self.disk is not None:
+            for h, (parent, tokens, parts) in self.disk.pages.items():
+                assert tuple(s[-1] for s in parts) == tokens
+                assert chain_hash(parts[-1][:-PS]) == parent and chain_hash(parts[-1]) == h
         s = t.stats()
         assert s.prompt_tokens == s.cached_tokens + s.prefilled_tokens
         counters = [getattr(s, f) for f in MONOTONIC]

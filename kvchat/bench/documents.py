@@ -22,6 +22,22 @@ FOLLOW_UPS = (
     "What Python module does this code come from?",
     "Is there any error handling in it? Answer briefly.",
 )
+# W6's sixteen conversations, each on its own module (no shared prefixes).
+W6_FILES = (
+    *W1_FILES,
+    "subprocess.py",
+    "threading.py",
+    "logging/__init__.py",
+    "tarfile.py",
+    "pickle.py",
+    "difflib.py",
+    "functools.py",
+    "shutil.py",
+    "pydoc.py",
+    "doctest.py",
+    "unittest/case.py",
+    "configparser.py",
+)
 # The sweep's two conversations (A, then B to switch away, then back to A).
 SWEEP_FILES = ("collections/__init__.py", "enum.py")
 W3_INGEST_FILE = "argparse.py"
@@ -64,11 +80,11 @@ def fenced(code: str, question: str) -> str:
     return f"```python\n{code}\n```\n\n{question}"
 
 
-def w1_openers(tokenizer, doc_tokens: int) -> list[str]:
-    """W1's four first messages: each module's first `doc_tokens` tokens and the question."""
+def w1_openers(tokenizer, doc_tokens: int, files: tuple[str, ...] = W1_FILES) -> list[str]:
+    """First messages: each module's first `doc_tokens` tokens and the question (W1's four
+    modules unless `files` names others)."""
     return [
-        fenced(first_tokens(stdlib_text(f), tokenizer, doc_tokens), SUMMARY_QUESTION)
-        for f in W1_FILES
+        fenced(first_tokens(stdlib_text(f), tokenizer, doc_tokens), SUMMARY_QUESTION) for f in files
     ]
 
 

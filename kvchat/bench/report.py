@@ -277,6 +277,77 @@ def _w7(w: dict) -> list[str]:
     return lines
 
 
+def _w5(w: dict) -> list[str]:
+    header = [
+        "engine",
+        "TTFT, follow-up after restart (s)",
+        "slowest (s)",
+        "vs recompute",
+        "from disk (tokens)",
+        "prefilled (tokens)",
+        "page cache",
+        "replies as recompute",
+    ]
+    rows = []
+    for name, e in w["engines"].items():
+        m = e["median"]
+        ratio = e.get("ttft_vs_recompute")
+        rows.append(
+            [
+                name,
+                _f(m["ttft_follow_up_s"], 3),
+                _f(m["ttft_follow_up_max_s"], 3),
+                "—" if ratio is None else f"{ratio:.3f}",
+                _f(m["cached_disk_follow_up_tokens"]),
+                _f(m["prefilled_follow_up_tokens"]),
+                str(m["page_cache"]),
+                e.get("replies_same_as_recompute", "—"),
+            ]
+        )
+    doc = w.get("documents", {})
+    return [
+        f"## W5: restart with {len(doc.get('files', []))} conversations of "
+        f"{_f(doc.get('tokens_each'))} tokens",
+        "",
+        "A new engine on the same database and disk-tier folder after a clean quit; "
+        "one follow-up per conversation.",
+        "",
+        *_table(header, rows),
+    ]
+
+
+def _w6(w: dict) -> list[str]:
+    header = [
+        "configuration",
+        "total (s)",
+        "TTFT follow-up median (s)",
+        "p95 (s)",
+        "hit rate",
+        "from disk (tokens)",
+        "prefilled, follow-ups",
+    ]
+    rows = [
+        [
+            name,
+            _f(e["median"]["total_s"], 1),
+            _f(e["median"]["ttft_follow_up_s"], 3),
+            _f(e["median"]["ttft_follow_up_p95_s"], 3),
+            f"{e['median']['hit_rate']:.1%}",
+            _f(e["median"]["cached_tokens"]["disk"]),
+            _f(e["median"]["prefilled_follow_up_tokens"]),
+        ]
+        for name, e in w["engines"].items()
+    ]
+    doc = w.get("documents", {})
+    return [
+        f"## W6: {w.get('sessions')} conversations of {_f(doc.get('tokens_each'))} tokens, "
+        f"{w.get('rounds')} rounds, device cache {_f(w.get('device_cache_bytes', 0) / 2**20, 0)} "
+        f"MiB, host {_f(w.get('host_cache_bytes', 0) / 2**20, 0)} MiB",
+        "",
+        *_table(header, rows),
+    ]
+
+
 SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "speed": _speed,
     "W1": _w1,
@@ -284,6 +355,8 @@ SECTIONS: dict[str, Callable[[dict], list[str]]] = {
     "W2": _w2,
     "W3": _w3,
     "W4": _w4,
+    "W5": _w5,
+    "W6": _w6,
     "W7": _w7,
 }
 

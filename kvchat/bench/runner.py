@@ -14,7 +14,9 @@ otherwise; `bench.json` records kvchat's version and commit and the command line
 from __future__ import annotations
 
 import datetime as dt
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,9 +35,16 @@ from kvchat.bench.provenance import (
     without_folders,
 )
 from kvchat.bench.report import markdown, write_report
-from kvchat.bench.workloads import WORKLOAD_NAMES, WORKLOADS, BenchContext, make_plan
+from kvchat.bench.workloads import (
+    DISK_NAME,
+    WORKLOAD_NAMES,
+    WORKLOADS,
+    BenchContext,
+    make_plan,
+)
 from kvchat.errors import KvchatError
 from kvchat.model.device import dtype_name
+from kvchat.paths import app_paths
 
 DENSE_NAME = "kvchat-dense"
 PEER_NAMES = ("transformers-naive", "transformers-cache", "llama.cpp", "llama-server", "vllm")
@@ -169,7 +178,9 @@ def _load(options, weights: str, progress):
     )
 
 
-def _kvchat_peer(model, options, name: str, weights: str) -> KvchatPeer:
+def _kvchat_peer(
+    model, options, name: str, weights: str, disk_scratch: Path | None = None
+) -> KvchatPeer:
     return KvchatPeer(
         model,
         page_size=options.page_size,
@@ -179,6 +190,7 @@ def _kvchat_peer(model, options, name: str, weights: str) -> KvchatPeer:
         attention=options.attention,
         name=name,
         weights=weights,
+        disk_scratch=disk_scratch,
     )
 
 
@@ -252,7 +264,16 @@ def main(args) -> int:
             skipped["kvchat@server"] = str(exc)
     for name, why in skipped.items():
         progress(f"kvchat bench: skipping {name}: {why}")
-    ctx = BenchContext(model, plan, kvchat, chat_peers, speed_peers, variants, progress)
+    # disk tiers and saved caches go where kvchat's disk tier lives, not to a RAM-backed /tmp
+    cache_dir = app_paths().cache_dir
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-scratch-", dir=cache_dir))
+    kvchat_disk = None
+    if {"sweep", "W2"} & set(workloads):
+        kvchat_disk = _kvchat_peer(model, options, DISK_NAME, options.weights, scratch / "kv")
+    ctx = BenchContext(
+        model, plan, kvchat, chat_peers, speed_peers, variants, kvchat_disk, scratch, progress
+    )
     results: dict = {
         "command": _command(args),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -269,7 +290,11 @@ def main(args) -> int:
             "kv": options.kv,
             "context_length": model.context_length,
         },
-        "engines": {n: p.description for n, p in {"kvchat": kvchat, **variants}.items()}
+        "engines": {
+            n: p.description
+            for n, p in {"kvchat": kvchat, **variants}.items()
+            | ({DISK_NAME: kvchat_disk} if kvchat_disk else {}).items()
+        }
         | {n: p.description for n, p in {**speed_peers, **chat_peers}.items()},
         "skipped": skipped,
         "notes": list(plan.notes),
@@ -284,6 +309,9 @@ def main(args) -> int:
     finally:
         for peer in {id(p): p for p in [*chat_peers.values(), *speed_peers.values()]}.values():
             peer.close()
+        if kvchat_disk is not None:
+            kvchat_disk.close()
+        shutil.rmtree(scratch, ignore_errors=True)
     results["seconds"] = time.perf_counter() - started
     out = Path(args.out) if args.out else default_out(results["machine"]["cpu"])
     try:

@@ -15,11 +15,15 @@ one's entry, so the JSON always has the same shape.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import statistics
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from kvchat.bench import documents as docs
 from kvchat.bench.machine import (
@@ -31,9 +35,11 @@ from kvchat.bench.peers.base import ChatEngine, ChatPeer, NotApplicable, SpeedPe
 from kvchat.bench.peers.kvchat import KvchatPeer
 from kvchat.bench.type_ahead import run_w7
 
-WORKLOAD_NAMES = ("speed", "W1", "sweep", "W2", "W3", "W4", "W7")
+WORKLOAD_NAMES = ("speed", "W1", "sweep", "W2", "W3", "W4", "W5", "W6", "W7")
 SERIAL_ONLY = "runs one request at a time, so the streams wait for the whole ingest"
 W4_ONLY = "kvchat's own cache tiers under pressure; the peers have no such tiers"
+W6_ONLY = "kvchat's disk tier against its RAM tiers alone; the peers keep no tiers"
+DISK_NAME = "kvchat+disk"  # kvchat with its disk tier on, beside kvchat without (sweep, W2)
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,12 @@ class BenchPlan:
     w7_short_pause_s: float = 2.0
     w7_answer_tokens: int = 32
     w7_window_tokens: int = 400  # streams' tokens at most while the draft is computed
+    w5_doc_tokens: int = 6000
+    w6_sessions: int = 16
+    w6_doc_tokens: int = 4000
+    w6_rounds: int = 3
+    w6_device_bytes: int | None = 256 << 20  # None: sized in pages (--quick's tiny documents)
+    w6_host_bytes: int | None = 512 << 20
     notes: tuple[str, ...] = ()
 
 
@@ -84,6 +96,12 @@ QUICK = BenchPlan(
     w7_short_pause_s=0.1,
     w7_answer_tokens=4,
     w7_window_tokens=24,
+    w5_doc_tokens=600,  # two full pages of 256 tokens: the disk tier has something to hold
+    w6_sessions=6,
+    w6_doc_tokens=600,
+    w6_rounds=1,
+    w6_device_bytes=None,
+    w6_host_bytes=None,
 )
 
 
@@ -101,7 +119,10 @@ def make_plan(*, quick: bool, repeats: int | None, context_length: int) -> Bench
     doc = min(plan.doc_tokens, room - plan.rounds * (plan.answer_tokens + 48))
     ingest = min(plan.w3_ingest_tokens, room)
     pasted = min(plan.w7_doc_tokens, room - 64)  # the question and the template around it
-    if doc != plan.doc_tokens or ingest != plan.w3_ingest_tokens or pasted != plan.w7_doc_tokens:
+    w5_doc = min(plan.w5_doc_tokens, room - 2 * (plan.answer_tokens + 48))
+    w6_doc = min(plan.w6_doc_tokens, room - plan.w6_rounds * (plan.answer_tokens + 48))
+    cut = (plan.w5_doc_tokens, plan.w6_doc_tokens, plan.w7_doc_tokens) != (w5_doc, w6_doc, pasted)
+    if doc != plan.doc_tokens or ingest != plan.w3_ingest_tokens or cut:
         notes.append(f"documents were cut to fit the model's context ({context_length})")
     return replace(
         plan,
@@ -111,6 +132,8 @@ def make_plan(*, quick: bool, repeats: int | None, context_length: int) -> Bench
         doc_tokens=max(32, doc),
         w3_ingest_tokens=max(32, ingest),
         w7_doc_tokens=max(32, pasted),
+        w5_doc_tokens=max(32, w5_doc),
+        w6_doc_tokens=max(32, w6_doc),
         notes=tuple(notes),
     )
 
@@ -127,6 +150,10 @@ class BenchContext:
     # kvchat with its weights dense in the compute dtype, when its default is quantized:
     # the same-dtype comparison with transformers (speed only)
     kvchat_variants: dict[str, KvchatPeer] = field(default_factory=dict)
+    # kvchat with its disk tier on (a fresh folder per engine): sweep and W2 run it beside
+    # kvchat to show the tier costs nothing there; W5 and W6 are about it
+    kvchat_disk: KvchatPeer | None = None
+    scratch: Path | None = None  # a folder on the cache's disk for W5's files
     progress: Callable[[str], None] = lambda _m: None
 
 
@@ -345,11 +372,15 @@ def run_sweep(ctx: BenchContext) -> dict:
     answer = ctx.plan.sweep_answer_tokens
     engines = {
         name: (lambda p=peer: sweep_once(p, histories, answer))
-        for name, peer in [("kvchat", ctx.kvchat), *ctx.chat_peers.items()]
+        for name, peer in [("kvchat", ctx.kvchat), *_disk_variant(ctx), *ctx.chat_peers.items()]
     }
     out = _repeat(ctx, "sweep", engines)
     out["lengths"] = list(ctx.plan.sweep_lengths)
     return out
+
+
+def _disk_variant(ctx: BenchContext) -> list[tuple[str, KvchatPeer]]:
+    return [] if ctx.kvchat_disk is None else [(DISK_NAME, ctx.kvchat_disk)]
 
 
 # ---- W2: concurrency -------------------------------------------------------------------------
@@ -367,7 +398,8 @@ def run_w2(ctx: BenchContext) -> dict:
 
         return run
 
-    engines = {"kvchat": one(ctx.kvchat)} | {n: one(p) for n, p in ctx.speed_peers.items()}
+    engines = {"kvchat": one(ctx.kvchat)} | {n: one(p) for n, p in _disk_variant(ctx)}
+    engines |= {n: one(p) for n, p in ctx.speed_peers.items()}
     out = _repeat(ctx, "W2", engines)
     out["sessions"] = plan.w2_sessions
     out["tokens_each"] = plan.w2_tokens
@@ -465,6 +497,230 @@ def run_w4(ctx: BenchContext) -> dict:
     return out
 
 
+# ---- W5: a restart ---------------------------------------------------------------------
+
+
+def drop_page_cache(folder: Path) -> str:
+    """Make the next reads of `folder`'s files come from the disk; returns how it was done.
+
+    As root, the OS page cache is dropped whole; otherwise each file's cached pages
+    are dropped with posix_fadvise(DONTNEED), which is what the report then says.
+    """
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "posix_fadvise(DONTNEED)"
+
+
+def _scratch(ctx: BenchContext) -> Path:
+    root = ctx.scratch or Path(tempfile.gettempdir())
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="w5-", dir=root))
+
+
+def _follow_up_summary(first: list[TurnResult], follow: list[TurnResult], cold: str) -> dict:
+    return {
+        "ttft_follow_up_s": statistics.median(r.ttft_s for r in follow),
+        "ttft_follow_up_max_s": max(r.ttft_s for r in follow),
+        "ttft_first_turn_s": statistics.median(r.ttft_s for r in first),
+        "prompt_tokens_follow_up": sum(r.prompt_tokens for r in follow),
+        "prefilled_follow_up_tokens": sum(r.prefilled_tokens for r in follow),
+        "cached_disk_follow_up_tokens": sum(r.cached_disk_tokens for r in follow),
+        "page_cache": cold,
+        "replies": [r.text for r in follow],
+    }
+
+
+def w5_kvchat(ctx: BenchContext, openers: list[str], *, disk: bool, cold: bool) -> dict:
+    """Four long conversations, kvchat closed, a new engine on the same folders, follow-ups."""
+    plan, peer = ctx.plan, ctx.kvchat
+    work = _scratch(ctx)
+    try:
+        kv, db = work / "kv", work / "sessions.sqlite3"
+        capacity = sum(len(docs.user_prompt_ids(ctx.model, o)) for o in openers) + 4 * (
+            2 * plan.answer_tokens + 128
+        )
+        folder = kv if disk else None
+        chat = peer.chat(capacity, disk_dir=folder, store_path=db)
+        try:
+            sessions = [chat.new_session() for _ in openers]
+            first = [
+                chat.turn(s, o, plan.answer_tokens) for s, o in zip(sessions, openers, strict=True)
+            ]
+        finally:
+            chat.close()  # a clean quit: the disk tier finishes its writes
+        how = drop_page_cache(work) if cold else "hot"
+        chat = peer.chat(capacity, disk_dir=folder, store_path=db)  # the restart
+        try:
+            follow = [chat.turn(s, docs.FOLLOW_UPS[0], plan.answer_tokens) for s in sessions]
+        finally:
+            chat.close()
+        return _follow_up_summary(first, follow, how if disk else "none")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def w5_transformers(ctx: BenchContext, openers: list[str], *, cold: bool) -> dict:
+    """transformers as a careful user scripts it: past_key_values `torch.save`d per
+    conversation at quit, `torch.load`ed back after the restart (the load is in the TTFT)."""
+    import torch
+
+    from kvchat.bench.peers.hf_cache import HfCacheChat, HfCachePeer, _Session
+
+    peer = ctx.chat_peers.get("transformers-cache")
+    if not isinstance(peer, HfCachePeer):
+        raise NotApplicable("needs the transformers-cache peer")
+    plan = ctx.plan
+    work = _scratch(ctx)
+    try:
+        chat = HfCacheChat(peer.hf)
+        sessions = [chat.new_session() for _ in openers]
+        first = [
+            chat.turn(s, o, plan.answer_tokens) for s, o in zip(sessions, openers, strict=True)
+        ]
+        for i, s in enumerate(sessions):
+            kv = [(layer.keys, layer.values) for layer in s.cache.layers]
+            state = {"messages": s.messages, "ids": s.cached_ids, "seen": s.seen, "kv": kv}
+            torch.save(state, work / f"conversation-{i}.pt")
+        del sessions, chat
+        how = drop_page_cache(work) if cold else "hot"
+        chat = HfCacheChat(peer.hf)  # the restart
+        follow: list[TurnResult] = []
+        for i in range(len(openers)):
+            start = time.perf_counter()
+            state = torch.load(work / f"conversation-{i}.pt", weights_only=True)
+            session = chat.new_session()
+            for layer, (k, v) in enumerate(state["kv"]):
+                session.cache.update(k, v, layer)
+            session = _Session(state["messages"], state["ids"], session.cache, state["seen"])
+            loaded = time.perf_counter() - start
+            r = chat.turn(session, docs.FOLLOW_UPS[0], plan.answer_tokens)
+            follow.append(replace(r, ttft_s=r.ttft_s + loaded, total_s=r.total_s + loaded))
+        return _follow_up_summary(first, follow, how)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_w5(ctx: BenchContext) -> dict:
+    """W5: follow-up TTFT after a restart, with the disk tier (page cache dropped, and hot),
+    without it (everything recomputed), and transformers with torch.save'd caches."""
+    plan = ctx.plan
+    openers = docs.w1_openers(ctx.model.tokenizer, plan.w5_doc_tokens)
+    engines: dict[str, Callable[[], dict]] = {
+        "kvchat, disk tier, cold": lambda: w5_kvchat(ctx, openers, disk=True, cold=True),
+        "kvchat, disk tier, hot": lambda: w5_kvchat(ctx, openers, disk=True, cold=False),
+        "kvchat, no disk tier": lambda: w5_kvchat(ctx, openers, disk=False, cold=False),
+    }
+    if "transformers-cache" in ctx.chat_peers:
+        engines["transformers, torch.save, cold"] = lambda: w5_transformers(ctx, openers, cold=True)
+        engines["transformers, torch.save, hot"] = lambda: w5_transformers(ctx, openers, cold=False)
+    out = _repeat(ctx, "W5", engines)
+    base = out["engines"].get("kvchat, no disk tier", {}).get("median", {})
+    for name, entry in out["engines"].items():
+        if base.get("ttft_follow_up_s"):
+            entry["ttft_vs_recompute"] = (
+                entry["median"]["ttft_follow_up_s"] / base["ttft_follow_up_s"]
+            )
+        replies = entry["runs"][0]["replies"]
+        if name.startswith("kvchat") and base.get("replies") and replies:
+            same = sum(a == b for a, b in zip(replies, base["replies"], strict=False))
+            entry["replies_same_as_recompute"] = f"{same}/{len(replies)}"
+    out["documents"] = {"files": list(docs.W1_FILES), "tokens_each": plan.w5_doc_tokens}
+    out["answer_tokens"] = plan.answer_tokens
+    for name in ctx.chat_peers:
+        if name != "transformers-cache":
+            out["not_applicable"][name] = "W5 compares kvchat with transformers' saved caches"
+    return out
+
+
+# ---- W6: more conversations than the RAM tiers hold -----------------------------------------
+
+
+def run_w6(ctx: BenchContext) -> dict:
+    """W1's pattern over 16 different documents with small device and host tiers: follow-up
+    TTFT (median, p95) and total time with the disk tier and without."""
+    from kvchat.bench.peers.kvchat import percentile
+
+    plan, peer = ctx.plan, ctx.kvchat
+    files = docs.W6_FILES[: plan.w6_sessions]
+    openers = docs.w1_openers(ctx.model.tokenizer, plan.w6_doc_tokens, files)
+    w6_plan = replace(plan, rounds=plan.w6_rounds)
+    capacity = _w1_capacity(ctx, openers)
+    page_bytes = peer.page_bytes()
+    per_session = math.ceil(capacity / len(openers) / peer.page_size) + 1
+    # --quick: RAM tiers for about three of the conversations, so most must come from disk
+    device = plan.w6_device_bytes or (2 * per_session + 2) * page_bytes
+    host = plan.w6_host_bytes or per_session * page_bytes
+
+    def configured(disk: bool) -> Callable[[], dict]:
+        def run() -> dict:
+            work = _scratch(ctx) if disk else None
+            try:
+                chat = peer.chat(
+                    capacity,
+                    device_bytes=device,
+                    host_bytes=host,
+                    disk_dir=None if work is None else work / "kv",
+                )
+                try:
+                    result = w1_once(chat, openers, w6_plan)
+                    stats = chat.stats()
+                finally:
+                    chat.close()
+            finally:
+                if work is not None:
+                    shutil.rmtree(work, ignore_errors=True)
+            follow = [t["ttft_s"] for t in result["turns"] if t["turn"] > 1]
+            return {
+                "total_s": result["total_s"],
+                "ttft_follow_up_s": result["ttft_follow_up_s"],
+                "ttft_follow_up_p95_s": percentile(follow, 95),
+                "prefilled_follow_up_tokens": result["prefilled_follow_up_tokens"],
+                "hit_rate": stats.hit_rate,
+                "cached_tokens": {
+                    "device": stats.cached_tokens.device,
+                    "host": stats.cached_tokens.host,
+                    "disk": stats.cached_tokens.disk,
+                },
+                "evictions": {
+                    "device_to_host": stats.evictions.device_to_host,
+                    "host_dropped": stats.evictions.host_dropped,
+                    "host_to_disk": stats.evictions.host_to_disk,
+                },
+            }
+
+        return run
+
+    out = _repeat(
+        ctx,
+        "W6",
+        {"kvchat, disk tier on": configured(True), "kvchat, disk tier off": configured(False)},
+    )
+    on = out["engines"].get("kvchat, disk tier on", {}).get("median", {})
+    off = out["engines"].get("kvchat, disk tier off", {}).get("median", {})
+    if on and off and off.get("ttft_follow_up_p95_s"):
+        out["p95_on_vs_off"] = on["ttft_follow_up_p95_s"] / off["ttft_follow_up_p95_s"]
+    out["sessions"] = len(openers)
+    out["documents"] = {"files": list(files), "tokens_each": plan.w6_doc_tokens}
+    out["rounds"] = plan.w6_rounds
+    out["device_cache_bytes"] = device
+    out["host_cache_bytes"] = host
+    for name in ctx.chat_peers:
+        out["not_applicable"][name] = W6_ONLY
+    return out
+
+
 WORKLOADS: dict[str, Callable[[BenchContext], dict]] = {
     "speed": run_speed,
     "W1": run_w1,
@@ -473,4 +729,6 @@ WORKLOADS: dict[str, Callable[[BenchContext], dict]] = {
     "W3": run_w3,
     "W4": run_w4,
     "W7": run_w7,
+    "W5": run_w5,
+    "W6": run_w6,
 }

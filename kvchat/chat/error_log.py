@@ -53,6 +53,7 @@ def paths_report() -> str:
         ("themes", paths.themes_dir),
         ("cache", paths.cache_dir),
         ("models", paths.models_dir),
+        ("kv cache", paths.kv_cache_dir),
         ("log", paths.error_log),
     ]
     width = max(len(name) for name, _ in rows)

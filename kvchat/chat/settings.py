@@ -31,6 +31,7 @@ class Settings:
     dtype: str | None = None  # "bfloat16" | "float32"
     device_cache: int | None = None  # bytes
     host_cache: int | None = None  # bytes
+    disk_cache: int | None = None  # bytes; 0 turns the disk tier off
     page_size: int = 256
     seed: int | None = None
     temperature: float | None = None
@@ -53,8 +54,11 @@ class Settings:
 
 
 _DTYPES = ("bfloat16", "float32")
-_SIZE_KEYS = ("device_cache", "host_cache")
-_ZERO_IS_OFF = ("host_cache",)  # 0 turns these tiers off; the device cache cannot be off
+_SIZE_KEYS = ("device_cache", "host_cache", "disk_cache")
+_ZERO_IS_OFF = (
+    "host_cache",
+    "disk_cache",
+)  # 0 turns these tiers off; the device cache cannot be off
 MIN_PAGE_SIZE = 16
 _CHOICES = {
     "weights": ("native", "bf16"),

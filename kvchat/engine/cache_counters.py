@@ -22,16 +22,18 @@ class PageTableStats:
     device: TierPages
     host: TierPages
     device_to_host: int  # device pages evicted to the host tier (copied, or already there)
-    host_dropped: int  # host slots dropped to make room
+    host_dropped: int  # pages lost entirely when their host slot was reused
     device_dropped: int  # device pages evicted with nowhere to go (partial, or no host room)
     prompt_tokens: int  # tokens of admitted prompts, once per turn
     cached_device: int  # prompt tokens served from device pages (shared, cached, tail copies)
     cached_host: int  # prompt tokens served by copying pages back from the host tier
-    cached_disk: int  # prompt tokens served from the disk tier (not built yet: always 0)
+    cached_disk: int  # prompt tokens read back from the disk tier
     prefilled_tokens: int  # prompt tokens that had to be computed
     recomputed_tokens: int  # tokens computed again for preempted or requeued sequences
     draft_tokens: int = 0  # tokens drafts computed (never in prompt_tokens or prefilled_tokens)
     draft_reused_tokens: int = 0  # prompt tokens served from pages drafts computed (in cached_*)
+    host_to_disk: int = 0  # pages that left the host tier with a copy on disk
+    device_to_disk: int = 0  # device pages with no host room that were kept on disk
 
     @property
     def cached_tokens(self) -> int:
@@ -45,6 +47,8 @@ class CacheCounters:
 
     device_to_host: int = 0
     device_dropped: int = 0
+    host_to_disk: int = 0
+    device_to_disk: int = 0
     prompt_tokens: int = 0
     cached_device: int = 0
     cached_host: int = 0

@@ -8,6 +8,7 @@ so a user can read them (`kvchat` prints them) and override them with
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,9 @@ class EngineConfig:
     page_size: int = DEFAULT_PAGE_SIZE
     device_cache_bytes: int | None = None  # None: derived from free memory
     host_cache_bytes: int | None = None  # None: derived from free memory; 0 disables the tier
+    # 0 (off) for an engine made in code; the CLI sizes it (`default_disk_cache_bytes`).
+    disk_cache_bytes: int = 0
+    disk_cache_dir: Path | None = None  # None: the user cache folder's `kv` (kvchat paths)
     max_batch: int = 16  # sequences in one step
     # Tokens per step: decodes first, prefill chunks fill the rest. Large, because bf16
     # matmuls cost less a row in big chunks and a prompt in one chunk is attended by one

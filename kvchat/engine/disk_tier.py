@@ -250,6 +250,11 @@ class DiskTier:
         except OSError as exc:
             self._stop_writes(exc)
             return
+        except Exception:  # a bug, not the disk: give this page up, keep the tier going
+            log.exception("disk cache: could not write page %s", h.hex())
+            with self._lock:
+                self._pending.pop(h, None)
+            return
         entry = DiskEntry(h, self.fmt.salt, pending.parent, len(data), time.time())
         with self._lock:
             self.index.add(entry)

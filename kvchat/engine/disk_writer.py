@@ -98,6 +98,12 @@ class BackgroundWriter:
             self.backlog_bytes = 0
         return dropped
 
+    def _is_busy(self) -> bool:
+        try:
+            return bool(self._busy())
+        except Exception:  # the engine is still being built: nothing runs yet
+            return False
+
     def _loop(self) -> None:
         # not Linux, or not allowed: the writer runs at normal priority
         with contextlib.suppress(AttributeError, OSError):
@@ -109,7 +115,7 @@ class BackgroundWriter:
                     if self._closing and (not self._jobs or time.monotonic() >= self._deadline):
                         return
                     if self._jobs and (
-                        urgent or self.backlog_bytes > self.backlog_limit or not self._busy()
+                        urgent or self.backlog_bytes > self.backlog_limit or not self._is_busy()
                     ):
                         break
                     self._cond.wait(BUSY_POLL_S if self._jobs else None)

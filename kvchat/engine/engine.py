@@ -35,6 +35,8 @@ from kvchat.engine.attention_choice import make_attention, resolve_attention
 from kvchat.engine.batch_builder import build_batch
 from kvchat.engine.config import EngineConfig, default_cache_bytes
 from kvchat.engine.detokenize import token_text
+from kvchat.engine.disk_page import DiskPageFormat
+from kvchat.engine.disk_tier import DiskTier
 from kvchat.engine.drafts import Draft, DraftQueue, DraftRun
 from kvchat.engine.events import (
     CachedTokens,
@@ -54,7 +56,7 @@ from kvchat.engine.request import FinishReason, GenerationRequest, RequestState
 from kvchat.engine.sampling import sample_next
 from kvchat.engine.scheduler import Scheduler, StepPlan
 from kvchat.engine.sequence import Sequence
-from kvchat.engine.stats import EngineStats, Evictions, Residency
+from kvchat.engine.stats import DiskBytes, EngineStats, Evictions, Residency, TierPages
 from kvchat.errors import KvchatError
 from kvchat.model.batch import ForwardBatch
 from kvchat.model.detokenizer import IncrementalDetokenizer
@@ -125,12 +127,25 @@ class Engine:
         )
         salt = root_salt(model.fingerprint, dtype_name(dtype), self.config.kv_format)
         self.mover = KVPageMover(self.store, self.host_store)
+        self.disk: DiskTier | None = None
+        if self.config.disk_cache_bytes > 0:
+            from kvchat.paths import app_paths
+
+            fmt = DiskPageFormat(
+                salt, ps, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype_name(dtype), kv_format
+            )
+            root = self.config.disk_cache_dir or app_paths().kv_cache_dir
+            # the writer holds back while requests run (a reply streams at full speed)
+            self.disk = DiskTier(
+                root, fmt, self.config.disk_cache_bytes, busy=lambda: bool(self.scheduler.running)
+            )
         self.table = PageTable(
             num_pages,
             ps,
             salt,
             HostTier(host_slots) if host_slots else None,
             self.mover,
+            self.disk,
         )
         self.attention = make_attention(
             self.store, self.attention_kind, max_batch=self.config.max_batch
@@ -271,10 +286,13 @@ class Engine:
             self.table.validate()
 
     def close(self) -> None:
+        """Stop the step loop, then let the disk tier finish its pending writes (bounded)."""
         self._stopping = True
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        if self.disk is not None:
+            self.disk.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -464,7 +482,9 @@ class Engine:
         if not seq.admitted:
             seq.admitted = True
             seq.cached = CachedTokens(
-                device=reservation.cached_device, host=reservation.cached_host
+                device=reservation.cached_device,
+                host=reservation.cached_host,
+                disk=reservation.cached_disk,
             )
             seq.prefilled_tokens = len(seq.tokens) - reservation.cached_tokens
             seq.draft_tokens = reservation.cached_draft
@@ -591,6 +611,18 @@ class Engine:
         decode_rate = sum(r[1] for r in self._rates) / span if span else 0.0
         prefill_rate = sum(r[2] for r in self._rates) / span if span else 0.0
         t = self.table.stats()
+        pages = {"device": t.device, "host": t.host, "disk": TierPages()}  # disk: off
+        disk_bytes, disk_dropped, notice = DiskBytes(), 0, None
+        if self.disk is not None:
+            d = self.disk.stats()
+            pages["disk"] = TierPages(
+                d.capacity_pages, 0, d.pages, max(0, d.capacity_pages - d.pages)
+            )
+            disk_bytes, disk_dropped, notice = (
+                DiskBytes(d.capacity_bytes, d.used_bytes),
+                d.dropped,
+                d.notice,
+            )
         states: dict[str, int] = {s.value: 0 for s in RequestState if s != RequestState.FINISHED}
         for seq in self._seqs.values():
             if seq.state != RequestState.FINISHED:
@@ -601,8 +633,12 @@ class Engine:
             prefilled_tokens=t.prefilled_tokens,
             recomputed_tokens=t.recomputed_tokens,
             generated_tokens=self._generated,
-            pages={"device": t.device, "host": t.host},
-            evictions=Evictions(t.device_to_host, t.host_dropped, t.device_dropped),
+            pages=pages,
+            evictions=Evictions(
+                t.device_to_host, t.host_dropped, t.device_dropped, t.host_to_disk, disk_dropped
+            ),
+            disk_bytes=disk_bytes,
+            disk_notice=notice,
             requests=states,
             preemptions=self.scheduler.preemptions,
             draft_tokens=t.draft_tokens,

@@ -110,13 +110,15 @@ class HostTier:
         *,
         anchored: Callable[[bytes], bool],
         protect: Collection[bytes] = (),
+        before_drop: Callable[[bytes, int], None] | None = None,
     ) -> int | None:
         """Take a page that is not yet here; return its slot, or None if no slot can be freed.
 
         `anchored(h)` says whether a hash outside this tier still leads to the root
         (it is the root salt, or a page indexed on the device): entries whose chain
         ends elsewhere are orphans and go first. `protect` are hashes that must not
-        be dropped now (the page table is about to restore them).
+        be dropped now (the page table is about to restore them). `before_drop(h, slot)`
+        runs before a victim's slot is reused (the disk tier keeps a copy then).
         """
         if page_hash_ in self._entries:
             raise ValueError("page is already on the host tier; touch it instead")
@@ -126,6 +128,8 @@ class HostTier:
             victim = next(iter(self.eviction_order(anchored, protect)), None)
             if victim is None:
                 return None
+            if before_drop is not None:
+                before_drop(victim, self._entries[victim].slot)
             slot = self._entries.pop(victim).slot
             self.dropped += 1
         self._entries[page_hash_] = _Entry(slot, parent, tokens, clock)

@@ -241,6 +241,22 @@ class KVPageMover:
         if self._side is not None:
             self._side.wait()
 
+    def snapshot_device(self, device_page: int) -> list[torch.Tensor]:
+        """CPU copies of a device page's tensors `[L, S, ...]`, for the disk tier's writer."""
+        return [
+            d[:, device_page].to("cpu", copy=True).contiguous() for d in self.device_store.parts
+        ]
+
+    def snapshot_host(self, host_slot: int) -> list[torch.Tensor]:
+        """Copies of a host slot's tensors (the slot is about to be reused)."""
+        self.synchronize()  # an asynchronous device-to-host copy may still be filling it
+        return [h[host_slot].clone() for h in self._host().parts]
+
+    def load_device(self, parts: list[torch.Tensor], device_page: int) -> None:
+        """Copy a page read from disk (`snapshot_*` layout) into a device page."""
+        for d, t in zip(self.device_store.parts, parts, strict=True):
+            d[:, device_page].copy_(t)
+
     def copy_tokens(self, src_page: int, dst_page: int, n_tokens: int) -> None:
         # [L, n, ...]: the first n slots of the page, every layer
         self.wait_for_copies()

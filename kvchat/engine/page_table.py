@@ -5,8 +5,9 @@ Each full page is named by a chained hash (see `page_hash`), so one hash names a
 whole prefix; pages are shared by reference count between live sequences, and a
 finished sequence's pages stay indexed as the prompt cache. A new request walks
 its full pages: shared or cached on the device → restored from the host tier →
-computed. The ragged tail of a previous turn (a partial page) is reused by
-copying its matching tokens into a fresh page, so switching back to a
+read back from the disk tier → computed. The ragged tail of a previous turn (a
+partial page) is reused by copying its matching tokens into a fresh page, so
+switching back to a
 conversation recomputes only what is new since its last turn; when the cached
 partial page holds exactly the matched tokens, the sequence extends it in place
 instead, so its pages stay one ascending run.
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from kvchat.engine.cache_counters import CacheCounters, PageTableStats
 from kvchat.engine.defragment import (
@@ -66,6 +67,31 @@ class PageMover(Protocol):
 
     def move_page(self, src_page: int, dst_page: int) -> None: ...
 
+    # the disk tier's side: a page's K/V as opaque CPU data (tensors for the real mover)
+    def snapshot_device(self, device_page: int) -> Any: ...
+
+    def snapshot_host(self, host_slot: int) -> Any: ...
+
+    def load_device(self, parts: Any, device_page: int) -> None: ...
+
+
+class DiskStore(Protocol):
+    """The disk tier as the page table uses it (`disk_tier.DiskTier` is the real one)."""
+
+    def __contains__(self, h: object) -> bool: ...
+
+    def save(self, h: bytes, parent: bytes, tokens: tuple[int, ...], parts: Any) -> bool:
+        """Keep page `h` (queued, written in the background); False if it cannot be kept."""
+        ...
+
+    def load(self, h: bytes) -> Any | None:
+        """Page `h`'s data, or None when it cannot be served (vanished, or failed a check)."""
+        ...
+
+    def touch(self, h: bytes) -> None: ...
+
+    def problems(self) -> list[str]: ...
+
 
 @dataclass(frozen=True)
 class Reservation:
@@ -81,12 +107,13 @@ class Reservation:
     cached_device: int  # tokens found on the device (shared/cached pages + `reused_tail`)
     cached_host: int  # tokens restored from the host tier
     reused_tail: int  # tokens copied from a partial (or capped full) page; part of cached_device
-    to_compute_from: int  # == cached_device + cached_host
+    to_compute_from: int  # == cached_device + cached_host + cached_disk
     cached_draft: int = 0  # of cached_device: tokens that drafts computed and no turn had used
+    cached_disk: int = 0  # tokens read back from the disk tier
 
     @property
     def cached_tokens(self) -> int:
-        return self.cached_device + self.cached_host
+        return self.cached_device + self.cached_host + self.cached_disk
 
 
 @dataclass(frozen=True)
@@ -112,6 +139,11 @@ class PageTable:
     Evicting a full indexed page copies it to the host tier (or finds it there
     already); a partial page, or any page without a host tier, is dropped.
     Referenced pages are never victims.
+
+    With a disk tier, the full pages of a sequence are saved when it is released
+    (its turn finished; written in the background), and a page leaving the host
+    tier, or leaving the device with no host room, is saved first if it is not on
+    disk yet: a page leaves RAM without being lost.
     """
 
     def __init__(
@@ -121,6 +153,7 @@ class PageTable:
         salt: bytes,
         host: HostTier | None,
         mover: PageMover,
+        disk: DiskStore | None = None,
     ) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
@@ -130,6 +163,7 @@ class PageTable:
         self.page_size = page_size
         self.salt = salt
         self.host = host
+        self.disk = disk
         self._mover = mover
         self._pages = [Page(i) for i in range(num_pages)]
         self._free = FreePages(range(num_pages))  # lowest page first, so pages stay packed
@@ -169,7 +203,7 @@ class PageTable:
         if n == 0:
             raise ValueError("a sequence needs at least one token")
         ps = self.page_size
-        walk = self._index.walk(tokens, n - 1, self.salt, self.host, host_tail=True)
+        walk = self._index.walk(tokens, n - 1, self.salt, self.host, host_tail=True, disk=self.disk)
         device_hits = [p for _, p in walk.chain if p is not None]
         # ceil((n + 1) / ps): the prompt plus one generated token; a draft generates none
         total_pages = -(-n // ps) if is_draft else n // ps + 1
@@ -181,6 +215,9 @@ class PageTable:
                 return None
             walk.tail_src, walk.tail_len = None, 0  # make room by giving up the tail copy
             takeover = False
+        from_disk = self._load_from_disk(walk.chain)
+        if from_disk is None:  # a page file failed its checks and is gone: match again
+            return self.reserve(seq_id, token_ids, count_as=count_as)
 
         self._clock += 1
         clock = self._clock
@@ -200,14 +237,19 @@ class PageTable:
 
         pages: list[int] = []
         it = iter(fresh)
-        cached_host = 0
+        cached_host = cached_disk = 0
         parent = self.salt
-        for h, p in walk.chain:
-            if p is None:  # restore from the host tier
+        for i, (h, p) in enumerate(walk.chain):
+            if p is None:  # restore from the host tier, or read back from disk
                 p = next(it)
-                self._restore(h, p, clock)
+                if h in from_disk:
+                    page_tokens = tokens[i * ps : (i + 1) * ps]
+                    self._restore_from_disk(h, parent, page_tokens, from_disk[h], p, clock)
+                    cached_disk += ps
+                else:
+                    self._restore(h, p, clock)
+                    cached_host += ps
                 self._pages[p].refcount = 1
-                cached_host += ps
             pages.append(p)
             parent = h
         cached_device = len(device_hits) * ps
@@ -253,19 +295,27 @@ class PageTable:
             self._pages[p].last_used = clock
             pages.append(p)
 
-        cached = cached_device + cached_host
+        cached = cached_device + cached_host + cached_disk
         self._seqs[seq_id] = SeqPages(pages, cached, is_draft)
         c = self._counters
         if count_as == "prompt":
             c.prompt_tokens += n
             c.cached_device += cached_device
             c.cached_host += cached_host
+            c.cached_disk += cached_disk
             c.prefilled_tokens += n - cached
             c.draft_reused_tokens += cached_draft
         elif count_as == "recompute":
             c.recomputed_tokens += n - cached
         return Reservation(
-            seq_id, tuple(pages), cached_device, cached_host, reused_tail, cached, cached_draft
+            seq_id,
+            tuple(pages),
+            cached_device,
+            cached_host,
+            reused_tail,
+            cached,
+            cached_draft,
+            cached_disk,
         )
 
     def ensure_capacity(self, seq_id: int, total_tokens: int) -> bool:
@@ -332,6 +382,8 @@ class PageTable:
         if seq is None:
             raise ValueError(f"sequence {seq_id} is not live")
         self._clock += 1
+        if self.disk is not None and not seq.draft:  # a draft's pages are guesses: not kept
+            self._save_to_disk(seq.pages)
         for p in reversed(seq.pages):
             page = self._pages[p]
             page.refcount -= 1
@@ -368,32 +420,53 @@ class PageTable:
     def residency(self, token_ids: Sequence[int]) -> Residency:
         """Where this token history's K/V is, without changing any state (not even the clock)."""
         tokens = tuple(token_ids)
-        walk = self._index.walk(tokens, len(tokens), self.salt, self.host, host_tail=False)
+        walk = self._index.walk(
+            tokens, len(tokens), self.salt, self.host, host_tail=False, disk=self.disk
+        )
         ps = self.page_size
         device = sum(ps for _, p in walk.chain if p is not None) + walk.tail_len
-        host = sum(ps for _, p in walk.chain if p is None)
-        return Residency(device, host, len(tokens) - device - host)
+        lower = [h for h, p in walk.chain if p is None]
+        host = sum(ps for h in lower if self.host is not None and h in self.host)
+        disk = len(lower) * ps - host
+        return Residency(device, host, len(tokens) - device - host - disk, disk)
 
     def prefetch(self, token_ids: Sequence[int]) -> int:
-        """Copy back from the host the pages of this history that only the host holds.
+        """Bring back to the device the pages of this history that only the host or disk holds.
 
         They become unreferenced cached device pages, so the next `reserve` of this
         history finds them on the device. Only free pages and evictable cached pages
         of other chains are used. Returns the number of pages restored.
         """
         tokens = tuple(token_ids)
-        walk = self._index.walk(tokens, len(tokens), self.salt, self.host, host_tail=False)
-        host_only = [h for h, p in walk.chain if p is None]
-        if not host_only:
-            return 0
+        walk = self._index.walk(
+            tokens, len(tokens), self.salt, self.host, host_tail=False, disk=self.disk
+        )
         on_device = {p for _, p in walk.chain if p is not None}
-        k = min(len(host_only), len(self._free) + len(self._cached - on_device))
+        k = min(
+            sum(1 for _, p in walk.chain if p is None),
+            len(self._free) + len(self._cached - on_device),
+        )
+        if k == 0:
+            return 0
+        # the first k pages not on the device, each with its parent and tokens
+        wanted: list[tuple[bytes, bytes, tuple[int, ...]]] = []
+        parent, ps = self.salt, self.page_size
+        for i, (h, p) in enumerate(walk.chain):
+            if p is None and len(wanted) < k:
+                wanted.append((h, parent, tokens[i * ps : (i + 1) * ps]))
+            parent = h
+        from_disk = self._load_from_disk([(h, None) for h, _, _ in wanted])
+        if from_disk is None:  # a page file failed its checks and is gone: look again
+            return self.prefetch(token_ids)
         self._clock += 1
         for p in on_device:
             self._pages[p].last_used = self._clock
         fresh = self._allocate(k, on_device, {h for h, _ in walk.chain})
-        for h, p in zip(host_only[:k], fresh, strict=True):
-            self._restore(h, p, self._clock)
+        for (h, parent, page_tokens), p in zip(wanted, fresh, strict=True):
+            if h in from_disk:
+                self._restore_from_disk(h, parent, page_tokens, from_disk[h], p, self._clock)
+            else:
+                self._restore(h, p, self._clock)
             self._cached.add(p)
         return k
 
@@ -434,12 +507,14 @@ class PageTable:
             dropped = 0
         else:
             host = TierPages(self.host.num_slots, 0, len(self.host), self.host.free_slots)
-            dropped = self.host.dropped
+            dropped = self.host.dropped - c.host_to_disk  # only the pages lost entirely
         return PageTableStats(
             device=device,
             host=host,
             device_to_host=c.device_to_host,
             host_dropped=dropped,
+            host_to_disk=c.host_to_disk,
+            device_to_disk=c.device_to_disk,
             device_dropped=c.device_dropped,
             prompt_tokens=c.prompt_tokens,
             cached_device=c.cached_device,
@@ -472,7 +547,7 @@ class PageTable:
             raise PageTableCorrupt("; ".join(problems[:5]))
 
     def _problems(self) -> list[str]:
-        return page_table_problems(
+        out = page_table_problems(
             page_size=self.page_size,
             salt=self.salt,
             clock=self._clock,
@@ -484,6 +559,11 @@ class PageTable:
             host=self.host,
             counters=self._counters,
         )
+        if self.host is not None and self._counters.host_to_disk > self.host.dropped:
+            out.append("more pages went from host to disk than left the host")
+        if self.disk is not None:
+            out.extend(self.disk.problems())
+        return out
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -554,15 +634,83 @@ class PageTable:
                     page.last_used,
                     anchored=self._anchored,
                     protect=protect_host,
+                    before_drop=self._leaving_host,
                 )
                 if slot is None:
-                    c.device_dropped += 1
+                    self._device_page_lost(p)
                 else:
                     self._mover.device_to_host(p, slot)
                     c.device_to_host += 1
         else:
-            c.device_dropped += 1
+            self._device_page_lost(p)
         self._clear(p)
+
+    def _device_page_lost(self, p: int) -> None:
+        """Page `p` leaves the device with no host room: dropped, unless disk can keep it."""
+        page = self._pages[p]
+        h = page.hash
+        c = self._counters
+        if self.disk is not None and h is not None and self._index.get(h) == p:
+            assert page.parent is not None
+            if h in self.disk or self.disk.save(
+                h, page.parent, tuple(page.tokens), self._mover.snapshot_device(p)
+            ):
+                c.device_to_disk += 1
+                return
+        c.device_dropped += 1
+
+    def _leaving_host(self, h: bytes, slot: int) -> None:
+        """A host slot is about to be reused: its page goes to disk first unless already there."""
+        if self.disk is None or self.host is None:
+            return
+        if h in self.disk:
+            self._counters.host_to_disk += 1
+            return
+        entry = self.host.get(h)
+        assert entry is not None
+        parts = self._mover.snapshot_host(slot)
+        if self.disk.save(h, entry.parent, entry.tokens, parts):
+            self._counters.host_to_disk += 1
+
+    def _load_from_disk(self, chain: list[tuple[bytes, int | None]]) -> dict[bytes, Any] | None:
+        """Read the chain's pages that only the disk holds; None if one failed (it is gone)."""
+        out: dict[bytes, Any] = {}
+        if self.disk is None:
+            return out
+        for h, p in chain:
+            if p is None and (self.host is None or h not in self.host):
+                parts = self.disk.load(h)
+                if parts is None:
+                    return None
+                out[h] = parts
+        return out
+
+    def _save_to_disk(self, pages: list[int]) -> None:
+        """Queue the disk writes of a released sequence's full pages that disk lacks."""
+        assert self.disk is not None
+        for i, p in enumerate(pages):
+            page = self._pages[p]
+            h = page.hash
+            if h is None or self._index.get(h) != p:
+                break  # the chain's full, indexed pages come first
+            if h in self.disk:
+                if i == 0:
+                    self.disk.touch(h)  # a tree's order of use is its root's
+                continue
+            assert page.parent is not None
+            self.disk.save(h, page.parent, tuple(page.tokens), self._mover.snapshot_device(p))
+
+    def _restore_from_disk(
+        self, h: bytes, parent: bytes, tokens: tuple[int, ...], parts: Any, p: int, clock: int
+    ) -> None:
+        """Copy a page read from disk into empty device page `p` and index it."""
+        self._mover.load_device(parts, p)
+        page = self._pages[p]
+        page.hash = h
+        page.parent = parent
+        page.tokens = list(tokens)
+        page.last_used = clock
+        self._index.add_restored(h, parent, p)
 
     def _anchored(self, h: bytes) -> bool:
         return h == self.salt or h in self._index

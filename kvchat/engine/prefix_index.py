@@ -8,13 +8,13 @@ a hash held on the device is always indexed. Pages with content are also listed
 under their parent hash: that is where a partial page (a previous turn's ragged
 tail) is found, by the longest common prefix of its tokens.
 
-A lookup (`walk`) matches a token list against the device index and the host tier
-and changes nothing; the page table decides what to take.
+A lookup (`walk`) matches a token list against the device index, the host tier and
+the disk tier, and changes nothing; the page table decides what to take.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
 from kvchat.engine.host_tier import HostTier
@@ -27,7 +27,8 @@ from kvchat.engine.token_ids import common_prefix
 class PrefixMatch:
     """The result of matching a token list against both tiers (no state changed)."""
 
-    chain: list[tuple[bytes, int | None]]  # per matched full page: hash, device page or None
+    # per matched full page: hash, device page or None (on the host, else on disk)
+    chain: list[tuple[bytes, int | None]]
     prev: bytes  # hash after the matched chain (the tail's parent)
     tail_src: int | None  # device page to copy the tail from
     tail_host: bytes | None  # or: host page to restore partially as the tail
@@ -77,7 +78,7 @@ class PrefixIndex:
         return False
 
     def add_restored(self, h: bytes, parent: bytes, p: int) -> None:
-        """Index a page copied back from the host tier."""
+        """Index a page copied back from the host or disk tier."""
         self.by_hash[h] = p
         self.add_child(parent, p)
 
@@ -119,8 +120,9 @@ class PrefixIndex:
         host: HostTier | None,
         *,
         host_tail: bool,
+        disk: Container[bytes] | None = None,
     ) -> PrefixMatch:
-        """Match `tokens` against both tiers, covering at most `limit` tokens. Changes nothing."""
+        """Match `tokens` against the tiers, covering at most `limit` tokens. Changes nothing."""
         ps = self.page_size
         chain: list[tuple[bytes, int | None]] = []
         prev = salt
@@ -134,8 +136,8 @@ class PrefixIndex:
             p = self.by_hash.get(h)
             if p is not None:
                 chain.append((h, p))
-            elif host is not None and h in host:
-                chain.append((h, None))
+            elif (host is not None and h in host) or (disk is not None and h in disk):
+                chain.append((h, None))  # restorable: from the host, else read back from disk
             else:
                 break
             prev = h

@@ -29,22 +29,31 @@ class TierPages:
 
 @dataclass(frozen=True)
 class Residency:
-    """Where a token history's K/V is: on the device, only on the host, nowhere (tokens)."""
+    """Where a token history's K/V is: on the device, only on the host, only on disk, nowhere."""
 
     device: int = 0
     host: int = 0
     nowhere: int = 0
+    disk: int = 0
 
     @property
     def total(self) -> int:
-        return self.device + self.host + self.nowhere
+        return self.device + self.host + self.disk + self.nowhere
 
 
 @dataclass(frozen=True)
 class Evictions:
     device_to_host: int = 0
-    host_dropped: int = 0
+    host_dropped: int = 0  # pages lost entirely when they left the host tier
     device_dropped: int = 0
+    host_to_disk: int = 0  # pages that left the host tier with a copy on disk
+    disk_dropped: int = 0  # page files removed to make room on disk
+
+
+@dataclass(frozen=True)
+class DiskBytes:
+    capacity: int = 0
+    used: int = 0  # every page file in the folder (all models share the capacity)
 
 
 @dataclass(frozen=True)
@@ -54,8 +63,10 @@ class EngineStats:
     prefilled_tokens: int = 0
     recomputed_tokens: int = 0
     generated_tokens: int = 0
-    pages: dict[str, TierPages] = field(default_factory=dict)  # "device", "host"
+    pages: dict[str, TierPages] = field(default_factory=dict)  # "device", "host", "disk"
     evictions: Evictions = field(default_factory=Evictions)
+    disk_bytes: DiskBytes = field(default_factory=DiskBytes)
+    disk_notice: str | None = None  # why the disk tier stopped writing, once it has
     requests: dict[str, int] = field(default_factory=dict)  # RequestState value -> count
     preemptions: int = 0
     draft_tokens: int = 0  # computed by drafts (type-ahead); never in prompt or prefilled tokens

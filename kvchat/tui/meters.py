@@ -20,6 +20,7 @@ from textual.widgets import Label, Sparkline, Static
 from kvchat.chat.session import SessionView
 from kvchat.engine.api import EngineStats, TierPages
 from kvchat.tui.repaint import same_content, update_static
+from kvchat.units import format_size
 
 BAR_WIDTH = 14
 SPARK_POINTS = 40
@@ -133,22 +134,27 @@ class Meters(Vertical):
             return
 
         lines = []
-        for tier in ("device", "host"):
+        for tier in ("device", "host", "disk"):
             pages = stats.pages.get(tier)
             counts = (
                 f"{pages.active}/{pages.cached}/{pages.free}"
                 if pages is not None and pages.capacity
                 else "off"
             )
+            if tier == "disk" and counts != "off":  # the folder is shared by every model
+                used, cap = stats.disk_bytes.used, stats.disk_bytes.capacity
+                counts += f"\n       {format_size(used)} of {format_size(cap)}"
             lines.append(Content.assemble(f"{tier:<6} ", tier_bar(pages), f"\n       {counts}"))
         self._set("pages", Content("\n").join(lines))
 
         ev = stats.evictions
-        total = ev.device_to_host + ev.host_dropped + ev.device_dropped
+        dropped = ev.host_dropped + ev.device_dropped + ev.disk_dropped
+        total = ev.device_to_host + ev.host_to_disk + dropped
         rate = 0.0
         if self.previous is not None and stats.time > self.previous.time:
             p = self.previous.evictions
-            before = p.device_to_host + p.host_dropped + p.device_dropped
+            before = p.device_to_host + p.host_to_disk + p.host_dropped + p.device_dropped
+            before += p.disk_dropped
             rate = max(0.0, (total - before) / (stats.time - self.previous.time))
         if self.previous is None or stats.time != self.previous.time:
             self.eviction_rates.append(rate)
@@ -156,8 +162,8 @@ class Meters(Vertical):
         self.previous = stats
         self._set(
             "evictions",
-            f"{total:,} ({ev.device_to_host:,} to host, "
-            f"{ev.host_dropped + ev.device_dropped:,} dropped)  {rate:.1f}/s",
+            f"{total:,} ({ev.device_to_host:,} to host, {ev.host_to_disk:,} to disk, "
+            f"{dropped:,} dropped)  {rate:.1f}/s",
         )
 
         self._set_speeds(stats, view, last, session_rate)

@@ -42,25 +42,34 @@ HELP = """Sidebar, one row a session:
 
 
 def residency_bar(residency: Residency | None, width: int = BAR_WIDTH) -> Content:
-    """`width` cells: device (█), host only (▓), nowhere (░), proportional to tokens."""
+    """`width` cells: device (█), host only (▓), disk only (▒), nowhere (░), by tokens."""
     cells = bar_cells(residency, width)
     if cells is None:
         return Content.from_markup("[$text-muted]" + "·" * width)
-    device, host, nowhere = cells
+    device, host, disk, nowhere = cells
     return Content.from_markup(
-        f"[$success]{'█' * device}[/][$secondary]{'▓' * host}[/][$text-muted]{'░' * nowhere}[/]"
+        f"[$success]{'█' * device}[/][$secondary]{'▓' * host}[/]"
+        f"[$primary]{'▒' * disk}[/][$text-muted]{'░' * nowhere}[/]"
     )
 
 
-def bar_cells(residency: Residency | None, width: int = BAR_WIDTH) -> tuple[int, int, int] | None:
-    """(device, host, nowhere) cells of the residency bar; None when there is nothing to show."""
-    # the engine may return its own type with these three fields (no `total`)
-    total = 0 if residency is None else residency.device + residency.host + residency.nowhere
+def bar_cells(
+    residency: Residency | None, width: int = BAR_WIDTH
+) -> tuple[int, int, int, int] | None:
+    """(device, host, disk, nowhere) cells of the residency bar; None when nothing to show."""
+    # the engine may return its own type with these fields (no `total`; a fake may lack disk)
+    disk_tokens = 0 if residency is None else getattr(residency, "disk", 0)
+    total = (
+        0
+        if residency is None
+        else residency.device + residency.host + disk_tokens + residency.nowhere
+    )
     if residency is None or total == 0:
         return None
     device = round(width * residency.device / total)
     host = min(width - device, round(width * residency.host / total))
-    return device, host, width - device - host
+    disk = min(width - device - host, round(width * disk_tokens / total))
+    return device, host, disk, width - device - host - disk
 
 
 def row_fields(index: int, view: SessionView, residency: Residency | None) -> tuple:

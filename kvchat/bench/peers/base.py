@@ -36,6 +36,7 @@ class TurnResult:
     engine_ttft_s: float | None = None  # the engine's own submit -> first token, when it has one
     draft_tokens: int = 0  # prompt tokens served from pages drafts computed (kvchat only)
     text: str = ""  # the reply
+    cached_disk_tokens: int = 0  # prompt tokens read back from kvchat's disk tier
 
 
 @dataclass(frozen=True)

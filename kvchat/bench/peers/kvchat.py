@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import math
 import queue
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -43,6 +46,7 @@ from kvchat.model.device import dtype_name
 from kvchat.native import build as native_build
 
 GREEDY = SamplingParams(temperature=0.0)
+DISK_BENCH_BYTES = 64 << 30  # a bench run's disk tier never evicts: it measures reads
 TURN_TIMEOUT_S = 1800.0
 
 
@@ -72,14 +76,18 @@ def fresh_engine(model, config: EngineConfig) -> Engine:
 
 
 class KvchatChat:
-    """Sessions through `SessionService` over a fresh engine (nothing cached)."""
+    """Sessions through `SessionService` over a fresh engine (nothing cached in memory).
 
-    def __init__(self, model, config: EngineConfig) -> None:
+    With `store_path`, sessions live in that database, so a second `KvchatChat` on the
+    same path (and disk-tier folder) is kvchat after a restart (W5).
+    """
+
+    def __init__(self, model, config: EngineConfig, store_path: Path | None = None) -> None:
         self.engine = fresh_engine(model, config)
         self.service = SessionService(
             self.engine,
             model.renderer,
-            Store.in_memory(),
+            Store(store_path) if store_path is not None else Store.in_memory(),
             stop_token_ids=model.tokenizer.stop_token_ids,
             default_sampling=GREEDY,
         )
@@ -144,6 +152,7 @@ class KvchatChat:
             engine_ttft_s=stats.ttft_s,
             draft_tokens=stats.draft_tokens,
             text=event.text,
+            cached_disk_tokens=stats.cached_tokens.disk,
         )
 
     def working_set_tokens(self) -> list[int]:
@@ -191,9 +200,13 @@ class KvchatPeer(SpeedMeasured):
         attention: str | None = None,
         name: str = "kvchat",
         weights: str = "native",
+        disk_scratch: Path | None = None,
     ) -> None:
+        """`disk_scratch`: a folder for disk tiers; each engine then gets a fresh one in it."""
         self.name = name
         self.attention = resolve_attention(attention, model.transformer.device, kv_format)
+        self.disk_scratch = disk_scratch
+        self._disk_dir: Path | None = None
         self.model = model
         self.page_size = page_size
         self.kv_format = kv_format
@@ -216,6 +229,7 @@ class KvchatPeer(SpeedMeasured):
             f"kvchat {dtype_name(model.transformer.dtype)}, {weights} weights, paged "
             f"prefix-hashed KV cache ({page_size}-token pages, {kv_format} KV), {attention}, "
             "sessions through the session layer"
+            + (", disk tier on" if disk_scratch is not None else "")
         )
 
     # ---- sizing ------------------------------------------------------------------------
@@ -229,20 +243,38 @@ class KvchatPeer(SpeedMeasured):
         *,
         device_bytes: int | None = None,
         host_bytes: int | None = None,
+        disk_dir: Path | None = None,
     ) -> EngineConfig:
-        """An engine sized for `capacity_tokens` (plus slack), unless told otherwise."""
+        """An engine sized for `capacity_tokens` (plus slack), unless told otherwise.
+
+        The disk tier is on with `disk_dir` (that folder, kept as it is), or for a peer
+        made with `disk_scratch` (a fresh, empty folder for each engine); its capacity
+        then holds everything the run writes, so it measures reads, not evictions.
+        """
         pages = math.ceil(capacity_tokens / self.page_size) + 4
         dev = device_bytes or self.device_cache_bytes or pages * self.page_bytes()
         host = host_bytes
         if host is None:
             host = self.host_cache_bytes if self.host_cache_bytes is not None else dev
+        if disk_dir is None and self.disk_scratch is not None:
+            self._drop_disk_dir()  # the previous engine of this peer is closed by now
+            self.disk_scratch.mkdir(parents=True, exist_ok=True)
+            self._disk_dir = Path(tempfile.mkdtemp(prefix="kv-", dir=self.disk_scratch))
+            disk_dir = self._disk_dir
         return EngineConfig(
             page_size=self.page_size,
             device_cache_bytes=dev,
             host_cache_bytes=host,
             kv_format=self.kv_format,
             attention=self.attention,
+            disk_cache_bytes=0 if disk_dir is None else DISK_BENCH_BYTES,
+            disk_cache_dir=disk_dir,
         )
+
+    def _drop_disk_dir(self) -> None:
+        if self._disk_dir is not None:
+            shutil.rmtree(self._disk_dir, ignore_errors=True)
+            self._disk_dir = None
 
     # ---- workloads -----------------------------------------------------------------------
 
@@ -252,9 +284,13 @@ class KvchatPeer(SpeedMeasured):
         *,
         device_bytes: int | None = None,
         host_bytes: int | None = None,
+        disk_dir: Path | None = None,
+        store_path: Path | None = None,
     ) -> KvchatChat:
-        cfg = self.config(capacity_tokens, device_bytes=device_bytes, host_bytes=host_bytes)
-        return KvchatChat(self.model, cfg)
+        cfg = self.config(
+            capacity_tokens, device_bytes=device_bytes, host_bytes=host_bytes, disk_dir=disk_dir
+        )
+        return KvchatChat(self.model, cfg, store_path)
 
     def _decode_span(self, ids: Sequence[int], tokens: int) -> tuple[float, float, int]:
         """One greedy generation on a fresh engine (after a short warm-up request)."""
@@ -374,7 +410,7 @@ class KvchatPeer(SpeedMeasured):
         }
 
     def close(self) -> None:
-        pass
+        self._drop_disk_dir()
 
 
 def percentile(values: Sequence[float], q: float) -> float:
