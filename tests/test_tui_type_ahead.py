@@ -40,7 +40,11 @@ async def test_a_paste_is_drafted_and_the_border_fills_then_send_ends_it():
         await wait_until(pilot, lambda: app.current is not None, what="a session")
         app.composer.insert(PASTE)
         await wait_until(pilot, lambda: len(engine.drafts) == 1, what="the paste is drafted")
-        assert app.composer.border_subtitle == "0 tokens ready"
+        await wait_until(
+            pilot,
+            lambda: app.composer.border_subtitle == "0 tokens ready",
+            what="the border shows the draft, nothing computed yet",
+        )
         engine.advance(1)  # the fake engine computes the draft whole in one step
         total = len(engine.drafts[0])
         await wait_until(

@@ -167,6 +167,8 @@ class KvchatApp(RefreshPump, CommandPalette, App[int]):
         self.current: str | None = None
         self.buffer = StreamBuffer()
         self.draft_timer = DraftTimer()  # when the composer's text is computed ahead
+        self._draft_label: str | None = None  # the composer's "N tokens ready", set at a tick
+        self._draft_label_shown: str | None = None  # (the border keeps it as Content, not str)
         self.undo_stack: list[tuple[str, str]] = []  # (archive|delete, session id)
         self.show_archived = False
         self.views: dict[str, SessionView] = {}
@@ -372,8 +374,10 @@ class KvchatApp(RefreshPump, CommandPalette, App[int]):
         if service is None:
             return
         if isinstance(event, DraftChanged):
+            # shown at the next tick: a draft beside streams moves every step, and each
+            # change of the border repaints the text area
             if event.session_id == self.current:
-                self.composer.border_subtitle = ready_label(event.ready_tokens, event.total_tokens)
+                self._draft_label = ready_label(event.ready_tokens, event.total_tokens)
             return
         if isinstance(event, SaveFailed):
             self.save_banner.show_failure(event.error, event.unsaved_messages, RETRY_SAVE_S)
@@ -445,7 +449,7 @@ class KvchatApp(RefreshPump, CommandPalette, App[int]):
         """Render the chosen session at once from the service's snapshot; prefetch in a thread."""
         if self.current is not None and self.current != session_id and self.service is not None:
             self._end_draft(self.service, self.current)  # its pages stay cached
-            self.composer.border_subtitle = None
+            self._draft_label = None
             self.draft_timer.edited(time.monotonic())  # the text now drafts into this session
         self.current = session_id
         self.sidebar.set_current(session_id)

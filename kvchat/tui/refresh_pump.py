@@ -49,6 +49,8 @@ class RefreshPump:
             self._tick_meters()
         if self.draft_timer.pending:
             self._draft_if_due()
+        if self._draft_label_shown != self._draft_label:  # "N tokens ready"
+            self.composer.border_subtitle = self._draft_label_shown = self._draft_label
         await self._flush_replies()
 
     async def _flush_replies(self) -> None:
