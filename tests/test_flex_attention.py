@@ -69,10 +69,14 @@ def run_both(runs, starts, page_lists, dtype=torch.float32, seed=0):
     flex = FlexPagedAttention(k_all.clone(), v_all.clone())
     sdpa = PagedAttention(k_all.clone(), v_all.clone())
     sdpa.native_enabled = False
+    native = PagedAttention(k_all.clone(), v_all.clone())  # kvchat's CPU kernel, once built
     outs = []
-    for attention in (flex, sdpa):
+    for attention in (flex, sdpa, native):
         attention.prepare(batch, page_lists)
         outs.append(torch.stack([attention(layer, q, k, v) for layer in range(LAYERS)]))
+    if native.uses_native():
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(outs[0].float(), outs[2].float(), atol=tol, rtol=tol)
     return outs[0], outs[1], flex, sdpa
 
 
@@ -95,7 +99,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_flex_equals_sdpa_over_the_same_pages(case) -> None:
+def test_flex_equals_sdpa_and_the_native_kernel_over_the_same_pages(case) -> None:
     runs, starts, page_lists = CASES[case]
     flex, sdpa, flex_store, sdpa_store = run_both(runs, starts, page_lists)
     assert torch.allclose(flex, sdpa, atol=1e-5, rtol=1e-5), (flex - sdpa).abs().max()

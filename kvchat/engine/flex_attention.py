@@ -45,6 +45,7 @@ FLEX_INT8_KV = (
 Q_BLOCK_GPU = 128
 Q_BLOCK_CPU = 16
 COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+RECOMPILE_LIMIT = 32  # compiled graphs of FlexAttention a process may hold
 
 
 def check_kv_format(kv_format: str) -> None:
@@ -61,6 +62,11 @@ def configure_compile_cache(folder: os.PathLike | str) -> None:
 
 @functools.cache
 def _compiled_flex():
+    # An engine compiles two graphs per dtype (decode steps, steps with chunks); a process
+    # that makes engines of several store sizes (the bench: one per workload) a pair for
+    # each. Room for them before torch stops compiling and runs FlexAttention uncompiled.
+    limits = torch._dynamo.config
+    limits.recompile_limit = max(limits.recompile_limit, RECOMPILE_LIMIT)
     # Only the sizes `_mark_dynamic` names vary in a compiled graph: with every size
     # symbolic (`dynamic=True`) torch's CPU code generator can mistake one size's name for
     # another's (a C++ compile error)
