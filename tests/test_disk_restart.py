@@ -4,6 +4,7 @@ bit for bit by the next, counted as `cached_tokens.disk`, and shown in the stats
 from __future__ import annotations
 
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,19 @@ def test_without_the_disk_tier_a_restart_recomputes(tiny, tmp_path) -> None:
         done = run(off, [*prompt, 1])
         assert done.cached_tokens.disk == 0 and done.prefilled_tokens == 41
         assert off.stats().pages["disk"].capacity == 0
+
+
+def test_switching_to_a_session_after_a_restart_prefetches_its_disk_pages(tiny, tmp_path) -> None:
+    prompt = [(3 * i) % 45 + 3 for i in range(40)]
+    disk_on = dict(disk_cache_bytes=64 << 20, disk_cache_dir=tmp_path / "kv")
+    with small_engine(tiny, **disk_on) as first:
+        run(first, prompt)
+    with small_engine(tiny, **disk_on) as second:
+        assert second.residency(prompt).disk == 32
+        second.prefetch(prompt)  # what focusing the session (or `switch`) does
+        deadline = time.monotonic() + 60
+        while second.residency(prompt).device < 32 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert second.residency(prompt).device == 32 and second.residency(prompt).disk == 0
+        done = run(second, [*prompt, 5])
+        assert done.cached_tokens.device == 32 and done.cached_tokens.disk == 0
