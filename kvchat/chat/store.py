@@ -24,7 +24,6 @@ list: migration i brings the schema from version i to i + 1.
 from __future__ import annotations
 
 import contextlib
-import os
 import sqlite3
 import sys
 import threading
@@ -35,6 +34,7 @@ from pathlib import Path
 
 from kvchat.chat.database_access import open_failure_message
 from kvchat.errors import KvchatError
+from kvchat.processes import pid_alive
 
 _MIGRATIONS: list[str] = [
     """
@@ -112,21 +112,6 @@ class MessageRecord:
     in_context: bool
     owner_pid: int | None
     created: float
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists (a zombie counts: reap children first)."""
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    except OSError:
-        return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -210,7 +195,7 @@ class Store:
             rows = db.execute(
                 "SELECT id, owner_pid FROM messages WHERE state = 'streaming'"
             ).fetchall()
-            dead = [(mid,) for mid, pid in rows if pid is None or not _pid_alive(int(pid))]
+            dead = [(mid,) for mid, pid in rows if pid is None or not pid_alive(int(pid))]
             db.executemany(
                 "UPDATE messages SET state = 'interrupted', owner_pid = NULL WHERE id = ?", dead
             )

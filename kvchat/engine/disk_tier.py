@@ -45,6 +45,7 @@ from kvchat.engine.disk_page import (
     write_file_atomically,
 )
 from kvchat.engine.disk_writer import BackgroundWriter
+from kvchat.processes import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -315,7 +316,7 @@ def scan_folder(root: Path, index: DiskIndex | None = None, *, remove_temp: bool
             for f in os.scandir(parent_dir.path):
                 pid = temp_owner_pid(f.name)
                 if pid is not None:
-                    if remove_temp and not _alive(pid):
+                    if remove_temp and not pid_alive(pid):
                         Path(f.path).unlink(missing_ok=True)
                     continue
                 if not f.name.endswith(PAGE_SUFFIX):
@@ -331,18 +332,6 @@ def scan_folder(root: Path, index: DiskIndex | None = None, *, remove_temp: bool
                 if index is not None:
                     index.add(DiskEntry(h, salt, parent, max(st.st_size, 1), st.st_mtime))
     return found
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
 
 
 def folder_usage(root: Path) -> FolderUsage:

@@ -15,6 +15,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -113,19 +114,25 @@ class HfModel(SpeedMeasured):
             out = self.model.generate(
                 input_ids,
                 attention_mask=torch.ones_like(input_ids),
-                max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens,
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-                streamer=clock,
-                pad_token_id=self.pad_id,
+                **self._greedy(max_new_tokens, clock),
                 **kw,
             )
         _sync(self.device)
         first = clock.first if clock.first is not None else time.perf_counter()
         return first, out[0, len(ids) :].tolist()
+
+    def _greedy(self, tokens: int, clock: FirstTokenClock) -> dict[str, Any]:
+        """`generate` arguments for exactly `tokens` greedy tokens, the first timed by `clock`."""
+        return {
+            "max_new_tokens": tokens,
+            "min_new_tokens": tokens,
+            "do_sample": False,
+            "temperature": None,
+            "top_p": None,
+            "top_k": None,
+            "streamer": clock,
+            "pad_token_id": self.pad_id,
+        }
 
     def _decode_span(self, ids: Sequence[int], tokens: int) -> tuple[float, float, int]:
         start_first, _ = self.generate(ids, tokens)
@@ -154,14 +161,7 @@ class HfModel(SpeedMeasured):
             self.model.generate(
                 ids.to(self.device),
                 attention_mask=mask.to(self.device),
-                max_new_tokens=tokens_each,
-                min_new_tokens=tokens_each,
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-                streamer=clock,
-                pad_token_id=self.pad_id,
+                **self._greedy(tokens_each, clock),
             )
         _sync(self.device)
         end = time.perf_counter()
