@@ -17,20 +17,21 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvchat.bench import documents as docs
 from kvchat.bench.peers.kvchat import (
-    GREEDY,
     KvchatChat,
     KvchatPeer,
     _drive,
-    _Stream,
+    each_has,
     fresh_engine,
     percentile,
+    split_gaps,
+    start_streams,
+    stop_streams,
 )
 from kvchat.engine.events import DraftProgress
-from kvchat.engine.request import GenerationRequest
 
 QUESTION = "Which function here is the most complex?"  # 40 characters
 NO_DRAFT = "no draft"
@@ -94,35 +95,17 @@ def draft_interference(
             done.set()
 
     with fresh_engine(peer.model, peer.config(capacity)) as engine:
-        streams = [_Stream() for _ in stream_prompts]
-        ids = [
-            engine.submit(GenerationRequest(tuple(p), GREEDY, max_stream, ignore_eos=True), s)
-            for p, s in zip(stream_prompts, streams, strict=True)
-        ]
-
-        def each_has(counts: Sequence[int]) -> Callable[[], bool]:
-            return lambda: all(
-                s.finished.is_set() or len(s.times) >= c
-                for s, c in zip(streams, counts, strict=True)
-            )
-
-        _drive(engine, each_has([baseline_tokens + 2] * len(streams)))
+        streams, ids = start_streams(engine, stream_prompts, max_stream)
+        _drive(engine, each_has(streams, [baseline_tokens + 2] * len(streams)))
         t_start = time.monotonic()
         draft_id = engine.draft(tuple(draft_ids), on_progress)
-        window = each_has([len(s.times) + window_tokens for s in streams])
+        window = each_has(streams, [len(s.times) + window_tokens for s in streams])
         _drive(engine, lambda: done.is_set() or window())
         t_end = time.monotonic()
         engine.cancel(draft_id)
-        _drive(engine, each_has([len(s.times) + baseline_tokens + 1 for s in streams]))
-        for request_id in ids:
-            engine.cancel(request_id)
-        for s in streams:
-            _drive(engine, s.finished.is_set)
-    alone: list[float] = []
-    during: list[float] = []
-    for s in streams:
-        for a, b in zip(s.times[1:], s.times[2:], strict=False):
-            (during if b > t_start and a < t_end else alone).append(b - a)
+        _drive(engine, each_has(streams, [len(s.times) + baseline_tokens + 1 for s in streams]))
+        stop_streams(engine, streams, ids)
+    alone, during = split_gaps(streams, t_start, t_end)
     p99_alone = percentile(alone, 99)
     p99_during = percentile(during, 99)
     return {

@@ -188,6 +188,46 @@ class _Stream:
             raise KvchatError(f"kvchat failed a bench request: {self.error}")
 
 
+def start_streams(
+    engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int
+) -> tuple[list[_Stream], list[int]]:
+    """One greedy stream of `max_tokens` tokens (end-of-sequence ignored) per prompt."""
+    streams = [_Stream() for _ in prompts]
+    ids = [
+        engine.submit(GenerationRequest(tuple(p), GREEDY, max_tokens, ignore_eos=True), s)
+        for p, s in zip(prompts, streams, strict=True)
+    ]
+    return streams, ids
+
+
+def each_has(streams: Sequence[_Stream], counts: Sequence[int]) -> Callable[[], bool]:
+    """True once each stream has its count of tokens (or has finished)."""
+    return lambda: all(
+        s.finished.is_set() or len(s.times) >= c for s, c in zip(streams, counts, strict=True)
+    )
+
+
+def stop_streams(engine: Engine, streams: Sequence[_Stream], ids: Sequence[int]) -> None:
+    """Cancel the streams and step the engine until each has finished."""
+    for request_id in ids:
+        engine.cancel(request_id)
+    for s in streams:
+        _drive(engine, s.finished.is_set)
+
+
+def split_gaps(
+    streams: Sequence[_Stream], start: float, end: float
+) -> tuple[list[float], list[float]]:
+    """The streams' inter-token gaps outside and inside (start, end); the first gap skipped
+    (it shares its step with the streams' prefill)."""
+    alone: list[float] = []
+    during: list[float] = []
+    for s in streams:
+        for a, b in zip(s.times[1:], s.times[2:], strict=False):
+            (during if b > start and a < end else alone).append(b - a)
+    return alone, during
+
+
 class KvchatPeer(SpeedMeasured):
     def __init__(
         self,
@@ -362,20 +402,9 @@ class KvchatPeer(SpeedMeasured):
         max_stream = max(2 * baseline_tokens + 8, max_stream)
         capacity = len(ingest_prompt) + len(stream_prompts) * (longest + max_stream + 256)
         with fresh_engine(self.model, self.config(capacity)) as engine:
-            streams = [_Stream() for _ in stream_prompts]
-            ids = [
-                engine.submit(GenerationRequest(tuple(p), GREEDY, max_stream, ignore_eos=True), s)
-                for p, s in zip(stream_prompts, streams, strict=True)
-            ]
-
-            def each_has(counts: Sequence[int]) -> Callable[[], bool]:
-                return lambda: all(
-                    s.finished.is_set() or len(s.times) >= c
-                    for s, c in zip(streams, counts, strict=True)
-                )
-
+            streams, ids = start_streams(engine, stream_prompts, max_stream)
             # alone, before (the first gap is skipped: the streams' prefill shares its step)
-            _drive(engine, each_has([baseline_tokens + 2] * len(streams)))
+            _drive(engine, each_has(streams, [baseline_tokens + 2] * len(streams)))
             ingest = _Stream()
             t_submit = time.monotonic()
             engine.submit(
@@ -384,19 +413,9 @@ class KvchatPeer(SpeedMeasured):
             ingest.wait(engine)
             t_done = ingest.times[-1]
             # alone, after
-            _drive(engine, each_has([len(s.times) + baseline_tokens + 1 for s in streams]))
-            for request_id in ids:
-                engine.cancel(request_id)
-            for s in streams:
-                _drive(engine, s.finished.is_set)
-        alone: list[float] = []
-        during: list[float] = []
-        for s in streams:
-            for a, b in zip(s.times[1:], s.times[2:], strict=False):
-                if b > t_submit and a < t_done:
-                    during.append(b - a)
-                else:
-                    alone.append(b - a)
+            _drive(engine, each_has(streams, [len(s.times) + baseline_tokens + 1 for s in streams]))
+            stop_streams(engine, streams, ids)
+        alone, during = split_gaps(streams, t_submit, t_done)
         return {
             "itl_p50_alone_s": percentile(alone, 50),
             "itl_p99_alone_s": percentile(alone, 99),
