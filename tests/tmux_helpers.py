@@ -57,7 +57,7 @@ class Terminal:
         self.keys(text, literal=True)
         self.keys("Enter")
 
-    def wait(self, condition: Callable[[str], bool], what: str, timeout: float = 30.0) -> str:
+    def wait(self, condition: Callable[[str], bool], what: str, timeout: float = 120.0) -> str:
         deadline = time.monotonic() + timeout
         while True:
             screen = self.screen()
@@ -67,7 +67,7 @@ class Terminal:
                 raise AssertionError(f"timed out waiting for {what}; the screen was:\n{screen}")
             time.sleep(0.1)
 
-    def wait_text(self, text: str, timeout: float = 30.0) -> str:
+    def wait_text(self, text: str, timeout: float = 120.0) -> str:
         return self.wait(lambda s: text in s, repr(text), timeout)
 
     def kvchat_pid(self) -> int:
