@@ -196,7 +196,7 @@ def kill_tui_once(
         for turn in range(rng.randrange(3)):
             text = f"tui {iteration} turn {turn}"
             term.type(text)
-            term.wait(lambda s, t=text: turn_shown_finished(s, t), f"{text!r} finished", 60)
+            term.wait(lambda s, t=text: turn_shown_finished(s, t), f"{text!r} finished", 180)
             acknowledged.append(text)
         term.type(f"tui {iteration} cut")
         time.sleep(rng.uniform(0, 1.5))
