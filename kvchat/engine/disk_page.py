@@ -107,16 +107,7 @@ def encode_page(
         raise ValueError(f"a {fmt.kv_format} page has {len(names)} tensors, got {len(parts)}")
     tensors = {name: t.contiguous() for name, t in zip(names, parts, strict=True)}
     metadata = {
-        "format": FORMAT_NAME,
-        "format_version": str(FORMAT_VERSION),
-        "kv_numerics": str(KV_NUMERICS_VERSION),
-        "salt": fmt.salt.hex(),
-        "hash": h.hex(),
-        "parent": parent.hex(),
-        "page_size": str(fmt.page_size),
-        "geometry": fmt.geometry,
-        "dtype": fmt.dtype,
-        "kv_format": fmt.kv_format,
+        **_identity(fmt, h, parent),
         "tokens": ",".join(map(str, tokens)),
         "checksum": checksum([tensors[n] for n in names]),
     }
@@ -184,8 +175,10 @@ def read_page(
     return tokens, parts
 
 
-def _check_metadata(meta: dict[str, str], fmt: DiskPageFormat, h: bytes, parent: bytes) -> None:
-    want = {
+def _identity(fmt: DiskPageFormat, h: bytes, parent: bytes) -> dict[str, str]:
+    """The metadata that names a page and its format: written into every file, and a file
+    whose copy differs in any key is not served."""
+    return {
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
         "kv_numerics": str(KV_NUMERICS_VERSION),
@@ -197,6 +190,10 @@ def _check_metadata(meta: dict[str, str], fmt: DiskPageFormat, h: bytes, parent:
         "dtype": fmt.dtype,
         "kv_format": fmt.kv_format,
     }
+
+
+def _check_metadata(meta: dict[str, str], fmt: DiskPageFormat, h: bytes, parent: bytes) -> None:
+    want = _identity(fmt, h, parent)
     for key, value in want.items():
         got = meta.get(key)
         if got != value:
