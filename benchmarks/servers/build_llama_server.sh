@@ -35,9 +35,11 @@ done
 SIMD+=(-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
 STAMP="${SIMD[*]}"
 
-# reused only when built for this CPU's features (the checkout may move between machines)
+# reused only when built for this CPU's features (the checkout may move between machines);
+# it is run as its users run it, with its libraries found beside it: the build tree its
+# RPATH names may be gone (a build made in another checkout, then copied here)
 if [ -x "$BIN" ] && [ "$(cat "$DEST/bin/simd" 2>/dev/null)" = "$STAMP" ] \
-  && "$BIN" --version >/dev/null 2>&1; then
+  && LD_LIBRARY_PATH="$DEST/bin" "$BIN" --version >/dev/null 2>&1; then
   echo "$BIN"
   exit 0
 fi
