@@ -398,8 +398,19 @@ def run_w2(ctx: BenchContext) -> dict:
 
         return run
 
+    def sessions(peer) -> Callable[[], dict]:
+        """A chat peer that takes text (the servers): one conversation per question, at once."""
+
+        def run() -> dict:
+            capacity = sum(len(p) + plan.w2_tokens for p in prompts)
+            b = peer.concurrent(questions, plan.w2_tokens, capacity)
+            return {"decode_tok_s": b.decode_tok_s, "wall_s": b.wall_s, "wall_tok_s": b.wall_tok_s}
+
+        return run
+
     engines = {"kvchat": one(ctx.kvchat)} | {n: one(p) for n, p in _disk_variant(ctx)}
     engines |= {n: one(p) for n, p in ctx.speed_peers.items()}
+    engines |= {n: sessions(p) for n, p in ctx.chat_peers.items() if hasattr(p, "concurrent")}
     out = _repeat(ctx, "W2", engines)
     out["sessions"] = plan.w2_sessions
     out["tokens_each"] = plan.w2_tokens

@@ -61,6 +61,25 @@ class BatchResult:
         return self.sequences * self.tokens_each / self.wall_s if self.wall_s > 0 else 0.0
 
 
+def batch_from_deltas(
+    deltas: Sequence[Sequence[float]], generated: Sequence[int], tokens_each: int, start: float
+) -> BatchResult:
+    """W2's figures from streamed text: each sequence's delta times and its token count.
+
+    A server streams text, one delta a token on the servers kvchat is tested with;
+    a delta adds its sequence's share (tokens over deltas) to the rate after every
+    sequence's first token. `start` is when the first request was sent.
+    """
+    all_first = max(times[0] for times in deltas)
+    end = max(times[-1] for times in deltas)
+    after = sum(
+        n / len(times) * sum(1 for t in times if t > all_first)
+        for times, n in zip(deltas, generated, strict=True)
+    )
+    rate = after / (end - all_first) if end > all_first else 0.0
+    return BatchResult(len(deltas), tokens_each, rate, end - start)
+
+
 class ChatEngine(Protocol):
     """Sessions kept the way this engine's users keep them; one turn at a time."""
 

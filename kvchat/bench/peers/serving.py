@@ -9,6 +9,13 @@ the cached prefix; the turn's prefilled tokens are the prompt less the server's
 own `cached_tokens`. Every chat starts with nothing cached: llama-server is
 restarted (it starts in about a second), vLLM's prefix cache is reset.
 TTFT is taken from the request to the first streamed text.
+
+W2 (`concurrent`) streams one new conversation per question, all at once, with
+the same request as a chat's first turn; the server batches them. llama-server
+is started for it with a slot per conversation (`-np 8` for W2's eight), as a
+user serving that many would start it. Each stream's tokens are the server's
+`usage.completion_tokens`, and a stream that did not generate exactly the
+tokens asked for fails the run rather than skew its figures.
 """
 
 from __future__ import annotations
@@ -19,13 +26,15 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvchat.bench.peers.base import PeerUnavailable, TurnResult
+from kvchat.bench.peers.base import BatchResult, PeerUnavailable, TurnResult, batch_from_deltas
 
 SERVED_NAME = "bench"
 READY_TIMEOUT_S = 600.0
@@ -93,6 +102,18 @@ class ServerChat:
     def new_session(self) -> _Session:
         return _Session()
 
+    def _stream(self, messages: list[dict[str, str]], max_tokens: int):
+        """A streamed reply of exactly `max_tokens` tokens: greedy, end of sequence ignored."""
+        return self.client.chat.completions.create(
+            model=self.model,
+            messages=messages,
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=max_tokens,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+
     def turn(self, session: object, text: str, max_tokens: int) -> TurnResult:
         assert isinstance(session, _Session)
         session.messages.append({"role": "user", "content": text})
@@ -100,16 +121,7 @@ class ServerChat:
         first: float | None = None
         parts: list[str] = []
         usage = None
-        stream = self.client.chat.completions.create(
-            model=self.model,
-            messages=session.messages,
-            stream=True,
-            stream_options={"include_usage": True},
-            max_tokens=max_tokens,
-            temperature=0.0,
-            extra_body={"ignore_eos": True},
-        )
-        for chunk in stream:
+        for chunk in self._stream(session.messages, max_tokens):
             if chunk.usage is not None:
                 usage = chunk.usage
             for choice in chunk.choices:
@@ -136,13 +148,51 @@ class ServerChat:
             text=reply,
         )
 
+    def concurrent(self, questions: Sequence[str], tokens_each: int) -> BatchResult:
+        """W2: one new conversation per question (as a chat's first turn), all streamed at
+        once from their own threads; the server batches them."""
+        deltas: list[list[float]] = [[] for _ in questions]
+        generated = [0] * len(questions)
+        failures: list[BaseException] = []
+
+        def stream(i: int, text: str) -> None:
+            try:
+                for chunk in self._stream([{"role": "user", "content": text}], tokens_each):
+                    if chunk.usage is not None:
+                        generated[i] = int(chunk.usage.completion_tokens or 0)
+                    if any(c.delta and c.delta.content for c in chunk.choices):
+                        deltas[i].append(time.perf_counter())
+            except Exception as exc:  # re-raised on the caller's thread
+                failures.append(exc)
+
+        threads = [
+            threading.Thread(target=stream, args=(i, q), daemon=True)
+            for i, q in enumerate(questions)
+        ]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
+        short = [(i, n) for i, n in enumerate(generated) if n != tokens_each or not deltas[i]]
+        if short:
+            i, n = short[0]
+            raise RuntimeError(
+                f"W2 stream {i + 1} of {len(questions)} generated {n} tokens "
+                f"({len(deltas[i])} text deltas), not {tokens_each}"
+            )
+        return batch_from_deltas(deltas, generated, tokens_each, start)
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.client.close()
 
 
 class LlamaServerPeer:
-    """llama-server with 4 slots (`-np 4`) and its RAM prompt cache (on by default)."""
+    """llama-server with 4 slots (`-np 4`) and its RAM prompt cache (on by default);
+    for W2 with a slot per conversation."""
 
     name = "llama-server"
 
@@ -152,21 +202,34 @@ class LlamaServerPeer:
         if gguf.suffix.lower() != ".gguf":
             raise PeerUnavailable("llama-server serves GGUF files; the model is not one")
         self.binary, self.gguf, self.progress = binary, gguf, progress
-        self.description = f"llama-server -np 4 (RAM prompt cache on), {gguf.name}"
+        self.description = (
+            f"llama-server -np 4 (RAM prompt cache on; W2: -np 8, a slot a session), {gguf.name}"
+        )
         self.server: _Process | None = None
 
-    def chat(self, capacity_tokens: int) -> ServerChat:
+    def chat(self, capacity_tokens: int, slots: int = 4) -> ServerChat:
         self.close()  # a fresh chat: nothing cached
         port = _free_port()
-        ctx = max(32768, 4 * capacity_tokens)  # four slots share the context
+        ctx = max(32768, slots * capacity_tokens)  # the slots share the context
         argv = [
             str(self.binary),
             *("-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(port)),
-            *("-np", "4", "-c", str(ctx), "--alias", SERVED_NAME, "-t", str(os.cpu_count() or 1)),
+            *("-np", str(slots), "-c", str(ctx), "--alias", SERVED_NAME),
+            *("-t", str(os.cpu_count() or 1)),
         ]
         env = dict(os.environ, LD_LIBRARY_PATH=str(self.binary.parent))
         self.server = _Process(self.name, argv, env, port)
         return ServerChat(port)
+
+    def concurrent(
+        self, questions: Sequence[str], tokens_each: int, capacity_tokens: int
+    ) -> BatchResult:
+        """W2 on a fresh server with a slot per question, so none waits for a free one."""
+        chat = self.chat(capacity_tokens, slots=len(questions))
+        try:
+            return chat.concurrent(questions, tokens_each)
+        finally:
+            chat.close()
 
     def close(self) -> None:
         if self.server is not None:
@@ -207,6 +270,16 @@ class VllmPeer:
         with contextlib.suppress(urllib.error.URLError, OSError):
             urllib.request.urlopen(request, timeout=30).close()
         return ServerChat(self.port)
+
+    def concurrent(
+        self, questions: Sequence[str], tokens_each: int, capacity_tokens: int
+    ) -> BatchResult:
+        """W2 on the running server, its prefix cache reset first as for a chat."""
+        chat = self.chat(capacity_tokens)
+        try:
+            return chat.concurrent(questions, tokens_each)
+        finally:
+            chat.close()
 
     def close(self) -> None:
         self.server.stop()
