@@ -9,6 +9,7 @@ import logging
 import os
 import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -330,6 +331,42 @@ def test_writer_waits_while_busy_and_close_flushes_what_is_pending() -> None:
     assert ran == []
     assert writer.close(timeout=30) == 0
     assert ran == [1]
+
+
+def test_writer_starts_only_after_the_engine_has_been_idle_for_the_grace() -> None:
+    """A job queued as a turn ends must not start in the gap before the next turn."""
+    busy = threading.Event()
+    busy.set()
+    ran_at: list[float] = []
+    done = threading.Event()
+
+    def job() -> None:
+        ran_at.append(time.monotonic())
+        done.set()
+
+    writer = BackgroundWriter(busy.is_set, backlog_limit=1 << 30, idle_grace_s=0.5)
+    writer.submit(job, nbytes=10)
+    idle_at = time.monotonic()
+    busy.clear()
+    assert done.wait(timeout=30)
+    assert ran_at[0] - idle_at >= 0.5
+    writer.close(timeout=1)
+
+
+def test_a_long_idle_before_the_job_arrived_does_not_count_as_grace() -> None:
+    """The writer sleeps while it has nothing to do, so it cannot know the engine stayed idle."""
+    done = threading.Event()
+    ran_at: list[float] = []
+    writer = BackgroundWriter(lambda: False, backlog_limit=1 << 30, idle_grace_s=0.5)
+    first = threading.Event()
+    writer.submit(first.set)
+    assert first.wait(timeout=30)
+    time.sleep(0.6)  # longer than the grace, with nothing queued
+    submitted = time.monotonic()
+    writer.submit(lambda: (ran_at.append(time.monotonic()), done.set()))
+    assert done.wait(timeout=30)
+    assert ran_at[0] - submitted >= 0.5
+    writer.close(timeout=1)
 
 
 def test_writer_ignores_busy_when_its_backlog_passes_the_limit() -> None:

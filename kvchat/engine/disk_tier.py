@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 # A clean quit waits at most this long for pending writes (the rest is recomputed later).
 CLOSE_TIMEOUT_S = 10.0
 DEFAULT_DISK_CACHE_CAP = 8 << 30
+# pages copied out for writing, in memory until written: past this the writer works even
+# while requests run; past twice this new pages are not queued (they stay recomputable).
+# Two 6k-token conversations of the default model queue about 290 MB.
+BACKLOG_LIMIT_BYTES = 512 << 20
 
 
 def default_disk_cache_bytes(folder: Path) -> int:
@@ -106,7 +110,7 @@ class DiskTier:
         capacity_bytes: int,
         *,
         busy: Callable[[], bool] = lambda: False,
-        backlog_limit: int = 256 << 20,
+        backlog_limit: int = BACKLOG_LIMIT_BYTES,
     ) -> None:
         self.root = root
         self.fmt = fmt
@@ -143,7 +147,7 @@ class DiskTier:
             if (
                 self.notice is not None
                 or self.page_bytes > self.index.capacity_bytes
-                or self._writer.backlog_bytes > 4 * self.backlog_limit  # memory over completeness
+                or self._writer.backlog_bytes > 2 * self.backlog_limit  # memory over completeness
             ):
                 return False
             self._pending[h] = _Pending(parent, tokens, parts)

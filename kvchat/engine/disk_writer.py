@@ -2,10 +2,13 @@
 
 Why a thread of its own: encoding, checksumming and writing a page (megabytes) must
 never happen inside a forward pass or on the UI thread. Why throttled: on a machine
-with few cores the writer competes with the engine for CPU, so while the engine says
-it is busy the writer waits, unless its backlog has grown past `backlog_limit` bytes
-(then memory matters more than a few percent of decode speed). The thread also asks
-the OS for a lower priority (Linux applies `nice` per thread).
+with few cores the writer competes with the engine for CPU, so it starts a job only
+once the engine has been idle for `idle_grace_s`, unless its backlog has grown past
+`backlog_limit` bytes (then memory matters more than a few percent of speed). The
+grace matters because a page job cannot be interrupted: a turn sent right after
+another (a switch back to a conversation) would otherwise meet a job already started
+in the moment between them. The thread also asks the OS for a lower priority (Linux
+applies `nice` per thread).
 
 `close(timeout)` runs what is pending until the deadline, then drops the rest: a clean
 quit is bounded, and a page not written is only a page to recompute later.
@@ -25,6 +28,9 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 BUSY_POLL_S = 0.05  # how often a throttled writer looks again whether the engine is idle
+# how long the engine must have been idle before a job starts: longer than the gap between
+# one turn's end and the next turn's submission, shorter than a person's pause
+IDLE_GRACE_S = 0.3
 WRITER_NICE = 10
 
 
@@ -42,10 +48,13 @@ class BackgroundWriter:
         busy: Callable[[], bool] = lambda: False,
         *,
         backlog_limit: int = 256 << 20,
+        idle_grace_s: float = IDLE_GRACE_S,
         name: str = "kvchat-disk",
     ) -> None:
         self._busy = busy
         self.backlog_limit = backlog_limit
+        self.idle_grace_s = idle_grace_s
+        self._idle_since: float | None = None  # when the writer first saw the engine idle
         self._jobs: deque[_Job] = deque()
         self._cond = threading.Condition()
         self._closing = False
@@ -104,6 +113,16 @@ class BackgroundWriter:
         except Exception:  # the engine is still being built: nothing runs yet
             return False
 
+    def _quiet_long_enough(self) -> bool:
+        """True once the engine has been idle for the grace period (called under the lock)."""
+        now = time.monotonic()
+        if self._is_busy():
+            self._idle_since = None
+            return False
+        if self._idle_since is None:
+            self._idle_since = now
+        return now - self._idle_since >= self.idle_grace_s
+
     def _loop(self) -> None:
         # not Linux, or not allowed: the writer runs at normal priority
         with contextlib.suppress(AttributeError, OSError):
@@ -115,9 +134,13 @@ class BackgroundWriter:
                     if self._closing and (not self._jobs or time.monotonic() >= self._deadline):
                         return
                     if self._jobs and (
-                        urgent or self.backlog_bytes > self.backlog_limit or not self._is_busy()
+                        urgent
+                        or self.backlog_bytes > self.backlog_limit
+                        or self._quiet_long_enough()
                     ):
                         break
+                    if not self._jobs:
+                        self._idle_since = None  # while asleep it cannot see the engine work
                     self._cond.wait(BUSY_POLL_S if self._jobs else None)
                 job = self._jobs.popleft()
                 self._running = True

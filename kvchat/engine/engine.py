@@ -137,7 +137,10 @@ class Engine:
             root = self.config.disk_cache_dir or app_paths().kv_cache_dir
             # the writer holds back while requests run (a reply streams at full speed)
             self.disk = DiskTier(
-                root, fmt, self.config.disk_cache_bytes, busy=lambda: bool(self.scheduler.running)
+                root,
+                fmt,
+                self.config.disk_cache_bytes,
+                busy=lambda: bool(self.scheduler.running or self.scheduler.waiting),
             )
         self.table = PageTable(
             num_pages,
