@@ -5,6 +5,10 @@ machine line on top); the JSON keeps every run's raw numbers so anyone can
 recompute it; the charts show TTFT per turn on W1 and the switch cost against
 history length. matplotlib is optional: without it the charts are skipped with
 a message and everything else is still written.
+
+It stays one module: each workload's section is a small function over the same
+JSON with the same table helpers, listed in `SECTIONS` in the order the report
+prints them, so a reader finds any table's code by its heading.
 """
 
 from __future__ import annotations
