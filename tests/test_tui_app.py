@@ -65,6 +65,7 @@ async def test_sessions_stream_switch_stop_regenerate_fork_archive_and_attach(tm
         await pilot.press("alt+up")
         assert app.current == second
         await type_and_send(pilot, "beta")
+        await wait_until(pilot, lambda: service.session(second).state != "idle", what="beta starts")
         engine.advance(4)
         await wait_until(
             pilot,
@@ -155,10 +156,12 @@ async def test_hidden_session_finishes_and_every_token_reaches_the_transcript():
         await wait_until(pilot, lambda: app.current is not None)
         visible = app.current
         await type_and_send(pilot, "one")
+        await wait_until(pilot, lambda: app.service.session(visible).state != "idle")
         await pilot.press("ctrl+n")
         await wait_until(pilot, lambda: app.current != visible)
         hidden = app.current
         await type_and_send(pilot, "two")
+        await wait_until(pilot, lambda: app.service.session(hidden).state != "idle")
         await pilot.press("alt+1")
         assert app.current == visible
         for _ in range(60):
@@ -169,6 +172,23 @@ async def test_hidden_session_finishes_and_every_token_reaches_the_transcript():
         assert transcript_texts(app)[-1][2] == app.service.messages(visible)[-1].content
         assert len(app.service.messages(hidden)[-1].content) == 50
         assert app.views[hidden].unread and not app.views[visible].unread
+
+
+async def test_a_message_that_cannot_be_sent_comes_back_to_the_composer():
+    """Sending runs on a thread (sizing a turn may ask a server); a refusal is shown and the
+    text is back in the composer, not lost."""
+    app, engine = fake_app(context_length=64)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        text = " ".join(["too long"] * 20)
+        app.composer.load_text(text)
+        await pilot.press("enter")
+        await wait_until(
+            pilot, lambda: any("does not fit" in n for n in notifications(app)), what="refusal"
+        )
+        await wait_until(pilot, lambda: app.composer.text == text, what="the text back")
+        assert not [m for m in app.service.messages(app.current) if m.role == "user"]
+        assert engine.submitted == []
 
 
 async def test_edit_and_resend_replaces_the_last_message():

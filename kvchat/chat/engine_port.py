@@ -50,9 +50,12 @@ class TurnFinished(RequestFinished):
 
     `generated_ids` is empty; `generated_count` is the server's count. Figures the
     backend does not report are None (`cached_tokens.host`, `recomputed_tokens`, ...).
+    `interrupted`: the stream broke after text had arrived (reason `error`); the text
+    is the partial reply, which the session layer keeps as an interrupted message.
     """
 
     generated_count: int = 0
+    interrupted: bool = False
 
     @property
     def generated_tokens(self) -> int:

@@ -35,7 +35,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvchat.chat.drafts import SessionDraft, draft_prompt
-from kvchat.chat.engine_port import EnginePort, RendererPort, Turn, TurnPort, turn_port
+from kvchat.chat.engine_port import (
+    EnginePort,
+    RendererPort,
+    Turn,
+    TurnFinished,
+    TurnPort,
+    turn_port,
+)
 from kvchat.chat.events import (
     ChatEvent,
     DraftChanged,
@@ -52,7 +59,7 @@ from kvchat.chat.events import (
     SessionNotice,
     SessionRenamed,
 )
-from kvchat.chat.prompt_plan import cut_ids, plan_prompt, reset_offsets
+from kvchat.chat.prompt_plan import PromptPlan, cut_ids, plan_prompt, reset_offsets
 from kvchat.chat.recovery import UnsavedReport, write_recovery
 from kvchat.chat.session import (
     Message,
@@ -122,10 +129,11 @@ class _Runtime:
     unsaved_tokens: int = 0
     last_save: float = 0.0
     draft: SessionDraft = field(default_factory=SessionDraft)
+    planning: bool = False  # a say's prompt is being sized outside the lock
 
     @property
     def busy(self) -> bool:
-        return self.state != IDLE or bool(self.queue)
+        return self.state != IDLE or bool(self.queue) or self.planning
 
 
 class SessionService:
@@ -520,6 +528,7 @@ class SessionService:
 
         Raises `KvchatError` (e.g. `PromptTooLongError`) when it starts at once and
         cannot; a queued say that cannot start publishes `SessionFailed` instead.
+        The prompt is sized outside the service's lock (`_plan_and_start`).
         """
         say = _Say(text, sampling, max_tokens, ignore_eos)
         with self._lock:
@@ -527,10 +536,11 @@ class SessionService:
             if rt.busy:
                 rt.queue.append(say)
                 rt.draft.pending = None  # the text it held is sent now
-                events: list[ChatEvent] = [SessionChanged(session_id)]
+                queued: list[ChatEvent] | None = [SessionChanged(session_id)]
             else:
-                events = self._start_say(session_id, say)
-        self._publish(events)
+                rt.planning = True
+                queued = None
+        self._publish(queued if queued is not None else self._plan_and_start(session_id, say))
 
     def draft(self, session_id: str, text: str) -> None:
         """Compute the user's unsent message ahead, at the engine's lowest priority.
@@ -608,16 +618,16 @@ class SessionService:
             if not users:
                 raise KvchatError("there is no message of yours to edit")
             k = users[-1]
-            saved = (array("I", session.ids), session.ids_stale, list(session.messages))
-            cut_ids(session, k)
-            removed = [m.id for m in session.messages[k:]]
-            del session.messages[k:]
-            try:
-                events = self._start_say(session_id, _Say(text), removed=removed)
-            except BaseException:
-                session.ids, session.ids_stale, session.messages = saved
-                raise
-        self._publish(events)
+            self._runtime[session_id].planning = True
+
+        def cut(s: Session) -> list[str]:
+            """Cut `s` at message k (planned on a copy; done to the session once it fits)."""
+            cut_ids(s, k)
+            removed = [m.id for m in s.messages[k:]]
+            del s.messages[k:]
+            return removed
+
+        self._publish(self._plan_and_start(session_id, _Say(text), prepare=cut))
 
     def fork(self, session_id: str, at_message: int, title: str | None = None) -> str:
         """A new session with the messages before `at_message` (a user message, or the end).
@@ -665,16 +675,96 @@ class SessionService:
         session.updated = time.time()
         self._persist(session, messages, **kw)
 
-    def _start_say(self, session_id: str, say: _Say, removed: Iterable[str] = ()) -> list:
-        """Append the user message and start its reply (lock held). Raises KvchatError."""
+    # Sizing a turn's prompt (`plan_prompt`) calls the renderer, which for a server is
+    # HTTP (/apply-template, /tokenize): never under the lock, where a slow server would
+    # stall every other session's events and every query of the UI. The session is
+    # marked `planning` (busy) meanwhile, so nothing else changes its messages or ids;
+    # the plan is made on a copy and applied under the lock.
+
+    def _plan_say(
+        self, session_id: str, say: _Say, prepare: Callable[[Session], list[str]] | None = None
+    ) -> tuple[Message, PromptPlan]:
+        """The user message and its prompt plan, sized outside the lock. Raises KvchatError."""
+        with self._lock:
+            session = self._sessions[session_id]
+            copy = _planning_copy(session)
+            max_tokens = say.max_tokens or session.max_tokens or self._default_max_tokens
+        if prepare is not None:
+            prepare(copy)
+        user = _message("user", say.text)
+        plan = plan_prompt(copy, user, max_tokens, self._renderer, self._engine.context_length)
+        return user, plan
+
+    def _plan_and_start(
+        self, session_id: str, say: _Say, prepare: Callable[[Session], list[str]] | None = None
+    ) -> list[ChatEvent]:
+        """Caller's thread, the session marked planning: size `say`, then start its reply.
+
+        `prepare` (an edit's cut) is applied to the copy that is planned on, then to the
+        session itself once the plan fits; it returns the ids of the messages it removed.
+        Raises what planning raised (the session unchanged; says queued meanwhile go on).
+        """
+        rt = self._runtime[session_id]
+        try:
+            user, plan = self._plan_say(session_id, say, prepare)
+        except BaseException:
+            with self._lock:
+                rt.planning = False
+                events = self._start_next_queued(session_id)
+                self._idle.notify_all()
+            self._publish(events)
+            raise
+        with self._lock:
+            rt.planning = False
+            session = self._sessions[session_id]
+            removed = prepare(session) if prepare is not None else []
+            return self._start_planned(session_id, say, user, plan, removed)
+
+    def _plan_queued(self, session_id: str, say: _Say) -> None:
+        """Planner thread: size a queued say outside the lock; the worker then starts it."""
+        planned: tuple[Message, PromptPlan] | KvchatError
+        try:
+            planned = self._plan_say(session_id, say)
+        except KvchatError as exc:
+            planned = exc
+        except Exception as exc:  # a renderer's failure: this say fails, the next ones go on
+            log.exception("sizing a queued turn failed")
+            planned = KvchatError(f"could not start the turn: {exc}")
+        self._tasks.put(lambda: self._start_queued(session_id, say, planned))
+
+    def _start_queued(
+        self, session_id: str, say: _Say, planned: tuple[Message, PromptPlan] | KvchatError
+    ) -> None:
+        """Worker thread: start the queued say that `planned` sized, or report its failure.
+
+        On the worker, so its `ReplyStarted` follows the previous reply's `ReplyFinished`
+        and precedes its own reply's events, as when it was started in that same task.
+        """
+        events: list[ChatEvent] = []
+        with self._lock:
+            rt = self._runtime[session_id]
+            rt.planning = False
+            if rt.queue and rt.queue[0] is say:  # else the queue was cleared (delete, close)
+                rt.queue.popleft()
+                if isinstance(planned, KvchatError):
+                    events.append(SessionFailed(session_id, str(planned)))
+                else:
+                    events += self._start_planned(session_id, say, *planned, removed=[])
+            events += self._start_next_queued(session_id)
+            self._idle.notify_all()
+        self._publish(events)
+
+    def _start_planned(
+        self, session_id: str, say: _Say, user: Message, plan: PromptPlan, removed: list[str]
+    ) -> list[ChatEvent]:
+        """Append the user message, apply its plan and start the reply (lock held)."""
         session = self._sessions[session_id]
         draft_events = self._end_draft(session_id)
-        user = _message("user", say.text)
-        max_tokens = say.max_tokens or session.max_tokens or self._default_max_tokens
-        plan = plan_prompt(session, user, max_tokens, self._renderer, self._engine.context_length)
-        for m in plan.dropped:
-            m.in_context = False
-            m.offset = None
+        dropped = {m.id for m in plan.dropped}  # messages of the copy: matched by id
+        for m in session.messages:
+            if m.id in dropped:
+                m.in_context = False
+                m.offset = None
         if plan.full_render:
             reset_offsets(session.context_messages())
         user.offset = plan.new_offset
@@ -761,10 +851,10 @@ class SessionService:
                 events.append(ReplyDelta(session_id, message_id, event.text, event.token_ids))
             elif isinstance(event, RequestFinished):
                 text = event.text or rt.message.content
+                cut = isinstance(event, TurnFinished) and event.interrupted
+                stats = TurnStats.from_finished(event)
                 events.append(
-                    self._finish(
-                        session, rt, TurnStats.from_finished(event), event.generated_ids, text
-                    )
+                    self._finish(session, rt, stats, event.generated_ids, text, interrupted=cut)
                 )
                 events.extend(self._start_next_queued(session_id))
                 self._announcing.add(session_id)
@@ -787,15 +877,20 @@ class SessionService:
         stats: TurnStats,
         generated_ids: tuple[int, ...],
         text: str,
+        *,
+        interrupted: bool = False,
     ) -> ReplyFinished:
+        """End the live reply (lock held). `interrupted`: the backend's stream broke after
+        text arrived; the partial reply is kept as an interrupted message."""
         message = rt.message
         assert message is not None  # only called with a live reply
         reason = stats.finish_reason
         message.content = text
         message.stats = stats
+        failed = MessageState.INTERRUPTED if interrupted else MessageState.ERROR
         message.state = {
             str(FinishReason.CANCELLED): MessageState.CANCELLED,
-            str(FinishReason.ERROR): MessageState.ERROR,
+            str(FinishReason.ERROR): failed,
         }.get(reason, MessageState.COMPLETE)
         message.ended_with_stop = (
             reason == str(FinishReason.STOP)
@@ -813,16 +908,20 @@ class SessionService:
         return ReplyFinished(session.id, message.id, rt.turn, text, stats)
 
     def _start_next_queued(self, session_id: str) -> list[ChatEvent]:
+        """The session's reply ended (lock held): size its next queued say on a planner
+        thread (`_plan_queued`), or submit its pending draft."""
         rt = self._runtime[session_id]
         events: list[ChatEvent] = []
-        while rt.queue and rt.state == IDLE:
-            say = rt.queue.popleft()
-            try:
-                events.extend(self._start_say(session_id, say))
-            except KvchatError as exc:
-                events.append(SessionFailed(session_id, str(exc)))
+        if rt.queue and rt.state == IDLE and not rt.planning:
+            rt.planning = True
+            threading.Thread(
+                target=self._plan_queued,
+                args=(session_id, rt.queue[0]),  # stays queued (the session busy) until started
+                name="kvchat-plan",
+                daemon=True,
+            ).start()
         pending = rt.draft.pending
-        if pending is not None and rt.state == IDLE and not rt.queue:
+        if pending is not None and rt.state == IDLE and not rt.queue and not rt.planning:
             rt.draft.pending = None
             events.extend(self._submit_draft(self._sessions[session_id], rt, pending))
         events.append(SessionChanged(session_id))
@@ -884,6 +983,13 @@ class SessionService:
         with self._lock:
             self._runtime[self._get(session_id).id].notice = text
         self._publish([SessionNotice(session_id, text)])
+
+
+def _planning_copy(session: Session) -> Session:
+    """A copy of `session` to plan a turn on outside the lock (messages and ids copied)."""
+    return replace(
+        session, messages=[replace(m) for m in session.messages], ids=array("I", session.ids)
+    )
 
 
 def _message(role: str, content: str, state: MessageState = MessageState.COMPLETE) -> Message:

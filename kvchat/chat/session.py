@@ -27,7 +27,9 @@ from kvchat.engine.api import (
 class MessageState(StrEnum):
     COMPLETE = "complete"
     STREAMING = "streaming"
-    INTERRUPTED = "interrupted"  # the process writing it died (crash, kill)
+    # cut before its end: the process writing it died (crash, kill), or a server's
+    # stream broke after text arrived; the partial text is kept
+    INTERRUPTED = "interrupted"
     CANCELLED = "cancelled"
     ERROR = "error"
 

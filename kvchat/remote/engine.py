@@ -10,7 +10,8 @@ prompt tokens (`usage.prompt_tokens_details.cached_tokens`, or llama-server's
 are measured here. Failures before the first delta are retried with backoff
 (the `openai` client retries the request itself; a stream that dies before its
 first delta is retried here); after it, the partial reply is kept and the turn
-ends with `finish_reason` error. Cancelling closes the stream, and the server
+ends with `finish_reason` error, marked `interrupted` (the session layer stores
+it so, for the user to continue or regenerate). Cancelling closes the stream, and the server
 aborts the request when its connection closes.
 """
 
@@ -395,6 +396,7 @@ class RemoteEngine:
             time=end,
             error=error,
             generated_count=generated,
+            interrupted=reason == FinishReason.ERROR and bool(text),
         )
 
     def cache_note(self) -> str:

@@ -49,6 +49,7 @@ import functools
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -90,7 +91,7 @@ from kvchat.paths import app_paths
 from kvchat.tui.backend import BackendFactory, TuiBackend
 from kvchat.tui.command_palette import CommandPalette
 from kvchat.tui.composer import Composer
-from kvchat.tui.guarded import guarded
+from kvchat.tui.guarded import guarded, log_failure, notify_failure
 from kvchat.tui.keys import (
     APP_KEYS,
     bindings,
@@ -100,6 +101,7 @@ from kvchat.tui.keys import (
 )
 from kvchat.tui.messages import (
     BackendReady,
+    SendFailed,
     ServiceEvent,
     StartFailed,
     StartProgress,
@@ -183,6 +185,8 @@ class KvchatApp(RefreshPump, CommandPalette, App[int]):
         self._themes_ready = False
         self.exit_code = 0
         self.unsaved: UnsavedReport | None = None  # what `shutdown` could not store
+        # one thread sends the composer's messages, in order: a say may wait on a server
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvchat-send")
         self._load_themes()
 
     # ------------------------------------------------------------------ layout
@@ -344,6 +348,7 @@ class KvchatApp(RefreshPump, CommandPalette, App[int]):
 
     def shutdown(self) -> None:
         """Stop listening, close the service (writes pending text) and the engine."""
+        self._sender.shutdown(wait=True)  # a message sent just before quitting is stored
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
@@ -516,16 +521,38 @@ class KvchatApp(RefreshPump, CommandPalette, App[int]):
             await self.action_new_session()
         session_id = self._require_current()
         text = message.text
-        if self.composer.editing:
-            self.service.edit_last_user_message(session_id, text)
+        editing = self.composer.editing
+        view = self.views.get(session_id)
+        retitle = not editing and view is not None and view.title == NEW_TITLE
+        if editing:
             self.composer.set_editing(False)
         else:
-            self.service.say(session_id, text)  # ends the session's draft, keeping its pages
             self.draft_timer.reset()
-            view = self.views.get(session_id)
-            if view is not None and view.title == NEW_TITLE:
-                self.service.rename(session_id, _title_from(text))
         self.composer.clear()
+        # sizing the turn may ask a server (/tokenize): on the sender thread, in send order
+        self._sender.submit(self._send, self.service, session_id, text, editing, retitle)
+
+    def _send(
+        self, service: SessionService, session_id: str, text: str, editing: bool, retitle: bool
+    ) -> None:
+        """Sender thread: say `text` (or edit and resend); a refusal gives the text back."""
+        try:
+            if editing:
+                service.edit_last_user_message(session_id, text)
+            else:
+                service.say(session_id, text)  # ends the session's draft, keeping its pages
+                if retitle:
+                    service.rename(session_id, _title_from(text))
+        except Exception as exc:
+            log_failure(exc, "send")
+            # posted, not called: `shutdown` may be waiting for this thread on the UI thread
+            self.post_message(SendFailed(text, editing, exc))
+
+    def on_send_failed(self, message: SendFailed) -> None:
+        if not self.composer.text:  # nothing typed since: the message is back to fix
+            self.composer.load_text(message.text)
+            self.composer.set_editing(message.editing)
+        notify_failure(self, message.error)
 
     # ---------------------------------------------------------------- actions
 

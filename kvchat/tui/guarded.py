@@ -2,6 +2,8 @@
 
 A `KvchatError` (a user's mistake or a known failure) is shown as its message;
 anything else is logged to the error log and reported in one line saying where.
+Work done off the UI thread (a send) logs in its own `except` with
+`log_failure` and notifies on the UI thread with `notify_failure`.
 """
 
 from __future__ import annotations
@@ -19,18 +21,29 @@ if TYPE_CHECKING:
     from kvchat.tui.app import KvchatApp
 
 
+def log_failure(exc: Exception, what: str) -> None:
+    """In an `except` block: log the traceback of anything but a `KvchatError`."""
+    if not isinstance(exc, KvchatError):
+        log_exception(f"TUI action {what} failed")
+
+
+def notify_failure(app: KvchatApp, exc: Exception) -> None:
+    """A `KvchatError`'s message, else one line saying where the details were logged."""
+    if isinstance(exc, KvchatError):
+        app.notify(str(exc), severity="error")
+    else:
+        app.notify(
+            f"Something went wrong ({exc}); details are in {app_paths().error_log}",
+            severity="error",
+        )
+
+
 def guarded(method: Callable[..., Any]) -> Callable[..., Any]:
     """Show a `KvchatError` as a notification; log anything else and say where the log is."""
 
     def report(app: KvchatApp, exc: Exception) -> None:
-        if isinstance(exc, KvchatError):
-            app.notify(str(exc), severity="error")
-        else:
-            log_exception(f"TUI action {method.__name__} failed")
-            app.notify(
-                f"Something went wrong ({exc}); details are in {app_paths().error_log}",
-                severity="error",
-            )
+        log_failure(exc, method.__name__)
+        notify_failure(app, exc)
 
     if inspect.iscoroutinefunction(method):
 

@@ -47,3 +47,13 @@ class ResidencyReady(Message):
     def __init__(self, residencies: dict[str, Residency]) -> None:
         super().__init__()
         self.residencies = residencies
+
+
+class SendFailed(Message):
+    """The sender thread could not send the composer's message (its text comes back)."""
+
+    def __init__(self, text: str, editing: bool, error: Exception) -> None:
+        super().__init__()
+        self.text = text
+        self.editing = editing
+        self.error = error

@@ -38,6 +38,8 @@ def header_text(message: MessageView) -> str:
     note = _STATE_NOTES.get(message.state)
     if message.state == MessageState.ERROR and message.stats and message.stats.error:
         note = f"error: {message.stats.error}"
+    elif message.state == MessageState.INTERRUPTED and message.stats and message.stats.error:
+        note = f"interrupted: {message.stats.error}"  # a server's stream broke mid-reply
     if not message.in_context:
         note = (note + ", " if note else "") + "no longer in the model's context"
     return f"{title} · {note}" if note else title
