@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvchat.bench.peers.base import batch_from_deltas
 from kvchat.bench.peers.kvchat import percentile
 from kvchat.bench.runner import parse_peers, parse_workloads
 from kvchat.bench.workloads import WORKLOAD_NAMES, make_plan, median_of_runs
@@ -165,6 +166,17 @@ def test_percentile_is_nearest_rank_and_common_prefix_counts_shared_ids():
     assert percentile(list(range(1, 101)), 99) == 99
     assert percentile([], 99) == 0.0
     assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+
+
+def test_w2_from_streamed_text_counts_tokens_after_every_streams_first():
+    # two streams sent at 0.0; the second's first text comes at 1.5
+    deltas = [[0.5, 1.0, 2.0, 3.0], [1.5, 2.0, 3.0, 4.0]]
+    one_a_delta = batch_from_deltas(deltas, [4, 4], 4, start=0.0)
+    assert one_a_delta.decode_tok_s == pytest.approx(5 / 2.5)  # 2.0, 3.0 | 2.0, 3.0, 4.0
+    assert one_a_delta.wall_s == 4.0 and one_a_delta.sequences == 2
+    # a server that sent two tokens a delta in the first stream
+    two_a_delta = batch_from_deltas(deltas, [8, 4], 8, start=0.0)
+    assert two_a_delta.decode_tok_s == pytest.approx((2 * 2 + 3) / 2.5)
 
 
 def _strings(value) -> list[str]:

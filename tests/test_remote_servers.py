@@ -276,10 +276,13 @@ def test_a_stream_that_breaks_after_tokens_keeps_the_partial_reply(
         expected = "closed the stream mid-reply" if fault == "cut" else "stopped answering"
         assert expected in (reply.stats.error or "")
         assert "partial reply is kept" in (reply.stats.error or "")
-        assert service.messages(sid)[-1].content == reply.text
+        kept = service.messages(sid)[-1]  # stored as interrupted: nothing received is lost
+        assert kept.content == reply.text and kept.state == MessageState.INTERRUPTED
+        assert "_(interrupted)_" in service.export_markdown(sid)
         service.regenerate(sid)  # the user can go on
         assert service.wait_idle(sid, timeout=120)
         assert _finished(events, sid)[1].stats.finish_reason in ("stop", "length")
+        assert service.messages(sid)[-1].state == MessageState.COMPLETE
     finally:
         service.close()
         proxy.close()
@@ -298,7 +301,8 @@ def test_server_killed_mid_stream_and_down_at_the_next_turn(default_gguf_path) -
         assert service.wait_idle(sid, timeout=120)
         reply = _finished(events, sid)[0]
         assert reply.stats.finish_reason == "error" and reply.text
-        assert service.messages(sid)[-1].content == reply.text
+        kept = service.messages(sid)[-1]
+        assert kept.content == reply.text and kept.state == MessageState.INTERRUPTED
         service.say(sid, "Are you there?")
         assert service.wait_idle(sid, timeout=120)
         down = _finished(events, sid)[1].stats
@@ -337,3 +341,23 @@ def test_bench_peers_on_servers_report_a_cached_follow_up(
             assert 0 < second.ttft_s <= second.total_s
     finally:
         peer.close()
+
+
+def test_bench_runs_w1_and_w2_through_a_server(llama_server: Server, tmp_path, monkeypatch) -> None:
+    from tests.tiny_models import write_tiny_model
+
+    # a tiny embedded model keeps the embedded engine's side of the run short
+    folder = write_tiny_model(tmp_path / "tiny", "llama")
+    out = tmp_path / "out"
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
+    argv = ["bench", "--quick", "--model", str(folder), "--dtype", "float32"]
+    argv += ["--engine", llama_server.url, "--workloads", "W1,W2", "--peers", "none"]
+    assert main([*argv, "--out", str(out)]) == 0
+    results = json.loads((out / "bench.json").read_text())
+    w2 = results["workloads"]["W2"]
+    assert not w2["errors"], w2["errors"]
+    on_server = w2["engines"]["kvchat@llama-server"]["median"]
+    assert on_server["decode_tok_s"] > 0 and on_server["wall_s"] > 0
+    assert w2["engines"]["kvchat"]["median"]["decode_tok_s"] > 0
+    turns = results["workloads"]["W1"]["engines"]["kvchat@llama-server"]["runs"][0]["turns"]
+    assert all(t["generated_tokens"] == results["plan"]["answer_tokens"] for t in turns)

@@ -1,10 +1,11 @@
 """kvchat's own sessions on a remote server (`kvchat bench --engine URL`), as a chat peer.
 
 The turns go through the same session layer as the TUI and `kvchat run` on that
-server (`SessionService` over `kvchat.remote`), so W1 and the sweep measure what a
+server (`SessionService` over `kvchat.remote`), so W1, the sweep and W2 measure what a
 user of `kvchat --engine URL` gets, beside the embedded engine in the same run.
 The figures are the server's (`cached_tokens`); TTFT is from `say` to the first
-streamed text. A chat starts by asking the server to drop its prefix cache where
+streamed text; W2 says to all its sessions at once (`concurrent`), the server batching
+them. A chat starts by asking the server to drop its prefix cache where
 it offers a way (vLLM's dev-mode `/reset_prefix_cache`, llama-server's slot
 erase); a server that offers none keeps what earlier repeats left in it, and the
 report's description says which.
@@ -15,8 +16,9 @@ from __future__ import annotations
 import contextlib
 import queue
 import time
+from collections.abc import Sequence
 
-from kvchat.bench.peers.base import PeerUnavailable, TurnResult
+from kvchat.bench.peers.base import BatchResult, PeerUnavailable, TurnResult, batch_from_deltas
 from kvchat.chat.events import ReplyDelta, ReplyFinished, SessionFailed
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
@@ -77,6 +79,35 @@ class KvchatRemoteChat:
             text=event.text,
         )
 
+    def concurrent(self, questions: Sequence[str], tokens_each: int) -> BatchResult:
+        """W2 through the server: one session per question, all said at once."""
+        sids = [self.new_session() for _ in questions]
+        deltas: dict[str, list[float]] = {sid: [] for sid in sids}
+        generated: dict[str, int] = {}
+        start = time.perf_counter()
+        for sid, text in zip(sids, questions, strict=True):
+            self.service.say(sid, text, sampling=GREEDY, max_tokens=tokens_each, ignore_eos=True)
+        deadline = time.monotonic() + TURN_TIMEOUT_S
+        while len(generated) < len(sids):
+            try:
+                event = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise KvchatError("W2 on the server did not finish in time") from None
+            sid = getattr(event, "session_id", None)
+            if sid not in deltas:
+                continue
+            if isinstance(event, ReplyDelta):
+                deltas[sid].append(time.perf_counter())
+            elif isinstance(event, SessionFailed):
+                raise KvchatError(f"kvchat could not start a W2 turn: {event.message}")
+            elif isinstance(event, ReplyFinished):
+                if event.stats.error is not None or not deltas[sid]:
+                    raise KvchatError(f"kvchat failed a W2 turn: {event.stats.error}")
+                generated[sid] = event.stats.generated_tokens
+        return batch_from_deltas(
+            [deltas[s] for s in sids], [generated[s] for s in sids], tokens_each, start
+        )
+
     def close(self) -> None:
         self.service.close()
         self.engine.close()
@@ -108,6 +139,16 @@ class KvchatRemotePeer:
                 for slot in slots if isinstance(slots, list) else []:
                     server.http.post(f"/slots/{slot.get('id', 0)}", params={"action": "erase"})
         return chat
+
+    def concurrent(
+        self, questions: Sequence[str], tokens_each: int, capacity_tokens: int
+    ) -> BatchResult:
+        """W2 through the server: a fresh chat, one session per question, all said at once."""
+        chat = self.chat(capacity_tokens)
+        try:
+            return chat.concurrent(questions, tokens_each)
+        finally:
+            chat.close()
 
     def close(self) -> None:
         """Nothing held between chats."""
