@@ -11,6 +11,7 @@ beyond being positive: this machine is shared and noisy.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -241,3 +242,20 @@ def test_w7_drafts_serve_the_pasted_documents_without_changing_the_replies(bench
     phase = w7["interference"]["engines"]["3 streams + a draft"]["median"]
     assert phase["gaps_alone"] > 0 and phase["gaps_drafting"] > 0
     assert any(t["workload"] == "W7" for t in results["targets"])
+
+
+def test_w5_follow_ups_run_in_a_new_process_on_the_first_processs_files(bench):
+    _, results, _ = bench
+    w5 = results["workloads"]["W5"]["engines"]
+    kvchat = ("kvchat, disk tier, cold", "kvchat, disk tier, hot", "kvchat, no disk tier")
+    for name in kvchat:
+        run = w5[name]["runs"][0]
+        assert run["restart_pid"] > 0 and run["restart_pid"] != os.getpid(), name
+        assert len(run["ttft_per_follow_up_s"]) == 4
+    recompute = w5["kvchat, no disk tier"]["runs"][0]
+    assert recompute["cached_disk_follow_up_tokens"] == 0
+    for name in kvchat[:2]:  # the new process read the pages the first one wrote
+        run = w5[name]["runs"][0]
+        assert run["cached_disk_follow_up_tokens"] > 0, name
+        assert run["prefilled_follow_up_tokens"] < recompute["prefilled_follow_up_tokens"], name
+        assert w5[name]["replies_same_as_recompute"] == "4/4", name  # float32: exact

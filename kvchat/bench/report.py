@@ -313,8 +313,12 @@ def _w5(w: dict) -> list[str]:
         f"## W5: restart with {len(doc.get('files', []))} conversations of "
         f"{_f(doc.get('tokens_each'))} tokens",
         "",
-        "A new engine on the same database and disk-tier folder after a clean quit; "
-        "one follow-up per conversation.",
+        "kvchat quits cleanly, then a new kvchat process opens the same database and "
+        "disk-tier folder (the page cache dropped between the two processes for the cold "
+        "row) and asks one follow-up per conversation; TTFT from the follow-up's start to "
+        "its first token, the new process's model load not in it, as the peers' figures "
+        "hold no model load either (transformers' restart stays in the bench's process, "
+        "its `torch.load` in the TTFT).",
         "",
         *_table(header, rows),
     ]

@@ -35,6 +35,7 @@ from kvchat.bench.provenance import (
     without_folders,
 )
 from kvchat.bench.report import markdown, write_report
+from kvchat.bench.restart_phase import model_load
 from kvchat.bench.workloads import (
     DISK_NAME,
     WORKLOAD_NAMES,
@@ -272,7 +273,16 @@ def main(args) -> int:
     if {"sweep", "W2"} & set(workloads):
         kvchat_disk = _kvchat_peer(model, options, DISK_NAME, options.weights, scratch / "kv")
     ctx = BenchContext(
-        model, plan, kvchat, chat_peers, speed_peers, variants, kvchat_disk, scratch, progress
+        model,
+        plan,
+        kvchat,
+        chat_peers,
+        speed_peers,
+        variants,
+        kvchat_disk,
+        scratch,
+        progress,
+        model_load=model_load(model, options.weights, options.quantize),
     )
     results: dict = {
         "command": _command(args),

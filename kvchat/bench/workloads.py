@@ -32,13 +32,21 @@ from kvchat.bench.machine import (
     weight_bytes_per_token,
 )
 from kvchat.bench.peers.base import ChatEngine, ChatPeer, NotApplicable, SpeedPeer, TurnResult
-from kvchat.bench.peers.kvchat import KvchatPeer
+from kvchat.bench.peers.kvchat import TURN_TIMEOUT_S, KvchatPeer
+from kvchat.bench.restart_phase import (
+    ModelLoad,
+    RestartSpec,
+    engine_fields,
+    run_in_new_process,
+)
 from kvchat.bench.type_ahead import run_w7
+from kvchat.errors import KvchatError
 
 WORKLOAD_NAMES = ("speed", "W1", "sweep", "W2", "W3", "W4", "W5", "W6", "W7")
 SERIAL_ONLY = "runs one request at a time, so the streams wait for the whole ingest"
 W4_ONLY = "kvchat's own cache tiers under pressure; the peers have no such tiers"
 W6_ONLY = "kvchat's disk tier against its RAM tiers alone; the peers keep no tiers"
+RESTART_TIMEOUT_S = 5 * TURN_TIMEOUT_S  # the model's load and four follow-ups
 DISK_NAME = "kvchat+disk"  # kvchat with its disk tier on, beside kvchat without (sweep, W2)
 
 
@@ -155,6 +163,7 @@ class BenchContext:
     kvchat_disk: KvchatPeer | None = None
     scratch: Path | None = None  # a folder on the cache's disk for W5's files
     progress: Callable[[str], None] = lambda _m: None
+    model_load: ModelLoad | None = None  # how `model` was loaded: W5's restart loads it again
 
 
 # ---- running and summarizing ---------------------------------------------------------------
@@ -544,6 +553,7 @@ def _follow_up_summary(first: list[TurnResult], follow: list[TurnResult], cold: 
     return {
         "ttft_follow_up_s": statistics.median(r.ttft_s for r in follow),
         "ttft_follow_up_max_s": max(r.ttft_s for r in follow),
+        "ttft_per_follow_up_s": [r.ttft_s for r in follow],
         "ttft_first_turn_s": statistics.median(r.ttft_s for r in first),
         "prompt_tokens_follow_up": sum(r.prompt_tokens for r in follow),
         "prefilled_follow_up_tokens": sum(r.prefilled_tokens for r in follow),
@@ -554,8 +564,11 @@ def _follow_up_summary(first: list[TurnResult], follow: list[TurnResult], cold: 
 
 
 def w5_kvchat(ctx: BenchContext, openers: list[str], *, disk: bool, cold: bool) -> dict:
-    """Four long conversations, kvchat closed, a new engine on the same folders, follow-ups."""
+    """Four long conversations, kvchat closed, then a new kvchat process on the same
+    database and disk-tier folder asks the follow-ups (`restart_phase`)."""
     plan, peer = ctx.plan, ctx.kvchat
+    if ctx.model_load is None:
+        raise KvchatError("W5 needs how the model was loaded, to load it in a new process")
     work = _scratch(ctx)
     try:
         kv, db = work / "kv", work / "sessions.sqlite3"
@@ -572,12 +585,18 @@ def w5_kvchat(ctx: BenchContext, openers: list[str], *, disk: bool, cold: bool) 
         finally:
             chat.close()  # a clean quit: the disk tier finishes its writes
         how = drop_page_cache(work) if cold else "hot"
-        chat = peer.chat(capacity, disk_dir=folder, store_path=db)  # the restart
-        try:
-            follow = [chat.turn(s, docs.FOLLOW_UPS[0], plan.answer_tokens) for s in sessions]
-        finally:
-            chat.close()
-        return _follow_up_summary(first, follow, how if disk else "none")
+        spec = RestartSpec(  # the same engine as the first phase's, in a new process
+            model=ctx.model_load,
+            engine=engine_fields(peer.config(capacity, disk_dir=folder)),
+            store_path=str(db),
+            sessions=tuple(sessions),
+            text=docs.FOLLOW_UPS[0],
+            max_tokens=plan.answer_tokens,
+        )
+        restart = run_in_new_process(spec, work, RESTART_TIMEOUT_S)
+        summary = _follow_up_summary(first, restart.turns, how if disk else "none")
+        summary["restart_pid"] = restart.pid
+        return summary
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
