@@ -10,6 +10,11 @@ only how each keeps its state (`peers/`).
 Sizes live in `BenchPlan`: the full plan is the one docs/benchmarks.md describes; `--quick`
 shrinks every workload (short documents, one round, few tokens, one repeat) but keeps each
 one's entry, so the JSON always has the same shape.
+
+It stays one module on purpose: the workloads share the plan, the context and the
+interleaved `_repeat`, and side by side they show that every engine meets the same
+driver. What only kvchat runs with machinery of its own lives apart: W7's drafts and
+streams (`type_ahead.py`) and W5's restarted process (`restart_phase.py`).
 """
 
 from __future__ import annotations
