@@ -9,10 +9,11 @@ import time
 from kvchat.chat.session import CachedTokens, TurnStats
 from kvchat.chat.settings import Settings
 from kvchat.chat.store import MessageRecord, SessionRecord, Store
+from kvchat.remote.engine import RemoteStats
 from kvchat.testing.tui import fake_app, ready, wait_until
 from kvchat.tui.keys import check_keymap
 from kvchat.tui.screens import HelpScreen
-from kvchat.tui.sidebar import LEGEND
+from kvchat.tui.sidebar import LEGEND, REMOTE_LEGEND
 
 SIZE = (150, 45)
 
@@ -42,7 +43,7 @@ async def test_the_sidebar_has_a_legend_and_help_explains_every_glyph_and_figure
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
         assert app.sidebar.border_subtitle == LEGEND
-        for glyph in "█▓░":
+        for glyph in "█▓▒░":
             assert glyph in LEGEND
         await pilot.press("f1")
         await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen), what="help")
@@ -50,7 +51,9 @@ async def test_the_sidebar_has_a_legend_and_help_explains_every_glyph_and_figure
         for words in (
             "█ on the compute device",
             "▓ in the host tier",
+            "▒ only on disk",
             "░ in no tier",
+            "last hit N%",
             "ctx N%",
             "● unread",
             "█ active",
@@ -140,3 +143,16 @@ def test_check_keymap_refuses_clashes_and_accepts_swaps():
     assert keymap == {} and "send" in problems[0]
     keymap, problems = check_keymap({"quit": "ctrl+x", "new_session": "ctrl+q"})
     assert keymap == {"quit": "ctrl+x", "new_session": "ctrl+q"} and problems == []
+
+
+async def test_with_a_remote_server_the_sidebar_legend_says_what_its_rows_show():
+    """A server cannot say where a session's history lives: no residency glyphs to explain."""
+    app, engine = fake_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        assert app.sidebar.border_subtitle == LEGEND
+        remote = RemoteStats(engine={"kind": "vllm", "url": "http://127.0.0.1:1", "model": "m"})
+        engine.stats = lambda: remote
+        await wait_until(
+            pilot, lambda: app.sidebar.border_subtitle == REMOTE_LEGEND, what="remote legend"
+        )

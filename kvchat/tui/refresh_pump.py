@@ -19,6 +19,7 @@ from kvchat.chat.service import SessionService
 from kvchat.engine.api import Residency
 from kvchat.errors import KvchatError
 from kvchat.tui.messages import ResidencyReady
+from kvchat.tui.sidebar import LEGEND, REMOTE_LEGEND
 
 FLUSH_HZ = 20
 METERS_HZ = 4
@@ -78,7 +79,11 @@ class RefreshPump:
                 self._refresh_row(session_id)
         view = self.views.get(self.current) if self.current else None
         rate = self.buffer.session_rate(self.current) if self.current else None
-        self.meters.update_meters(service.engine.stats(), view, rate)
+        stats = service.engine.stats()
+        self.meters.update_meters(stats, view, rate)
+        legend = REMOTE_LEGEND if getattr(stats, "engine", None) else LEGEND
+        if self.sidebar.border_subtitle != legend:
+            self.sidebar.border_subtitle = legend
         now = time.monotonic()
         backend = self.backend
         if backend is not None and backend.describe and now - self._note_at > NOTE_EVERY_S:

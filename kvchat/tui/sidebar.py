@@ -30,15 +30,20 @@ from kvchat.tui.repaint import update_static
 
 BAR_WIDTH = 16
 # Under the list (the sidebar's border subtitle); the help screen explains it in full.
-LEGEND = "█ device ▓ host ░ not cached"
+LEGEND = "█ device ▓ host ▒ disk ░ none"
+# with a remote server no residency is known: each row shows the last turn's hit rate
+REMOTE_LEGEND = "last hit: the server's cache"
 HELP = """Sidebar, one row a session:
   N ● Title     N is the session's number (alt+N shows it; numbers follow creation
                 order and never change when a session is created); ● unread reply
   state         idle, queued, prefilling, decoding or preempted (+N: messages waiting)
-  ████▓▓░░ ctx  where the session's history lives in the KV cache, in proportion to
+  ████▓▓▒░ ctx  where the session's history lives in the KV cache, in proportion to
                 its tokens: █ on the compute device (instant), ▓ in the host tier
-                (copied back, fast), ░ in no tier (computed again at the next turn);
-                ctx N% is how full the model's context is with this session's history"""
+                (copied back, fast), ▒ only on disk (read back), ░ in no tier
+                (computed again at the next turn); ctx N% is how full the model's
+                context is with this session's history
+  last hit N%   with a remote server, which cannot say where a session's history
+                is: the share of its last turn's prompt the server had cached"""
 
 
 def residency_bar(residency: Residency | None, width: int = BAR_WIDTH) -> Content:
