@@ -259,3 +259,34 @@ def test_w5_follow_ups_run_in_a_new_process_on_the_first_processs_files(bench):
         assert run["cached_disk_follow_up_tokens"] > 0, name
         assert run["prefilled_follow_up_tokens"] < recompute["prefilled_follow_up_tokens"], name
         assert w5[name]["replies_same_as_recompute"] == "4/4", name  # float32: exact
+
+
+def test_kvchat_is_warmed_up_before_the_first_measured_conversation(tmp_path, monkeypatch):
+    """A process's first forward passes are slow: no workload may be the first to run."""
+    from kvchat.bench.peers.kvchat import KvchatPeer
+    from tests.tiny_models import write_tiny_model
+
+    calls: list[str] = []
+    warm_up, chat = KvchatPeer.warm_up, KvchatPeer.chat
+
+    def recording_warm_up(self, *args, **kwargs):
+        calls.append(f"warm {self.name}")
+        return warm_up(self, *args, **kwargs)
+
+    def recording_chat(self, *args, **kwargs):
+        calls.append(f"chat {self.name}")
+        return chat(self, *args, **kwargs)
+
+    monkeypatch.setattr(KvchatPeer, "warm_up", recording_warm_up)
+    monkeypatch.setattr(KvchatPeer, "chat", recording_chat)
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
+    folder = write_tiny_model(tmp_path / "tiny", "llama")
+    argv = ["bench", "--quick", "--workloads", "sweep", "--peers", "none", "--model", str(folder)]
+    assert main([*argv, "--dtype", "float32", "--out", str(tmp_path / "out")]) == 0
+    first_measured = calls.index("chat kvchat", calls.index("warm kvchat+disk"))
+    assert calls[:first_measured] == [
+        "warm kvchat",
+        "chat kvchat",
+        "warm kvchat+disk",
+        "chat kvchat+disk",
+    ]
