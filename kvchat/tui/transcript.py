@@ -9,6 +9,18 @@ per UI tick (the app's timer already gathers the tick's tokens into one piece),
 which re-parses only the last block and updates it in place, repainting the
 one paragraph that grew: the UI thread shares the GIL with the engine, so every
 millisecond spent here per tick is one the engine does not get.
+
+Why the end is kept in view after every layout rather than by one scroll when
+text is added: the height of what was just mounted is known only after the
+screen's next layout. A render scrolled before it (a restarted app showed a long
+session's top), and Textual runs a deferred scroll without a layout while another
+widget holds a batched update (a reply's Markdown does, to mount its paragraphs),
+so the scroll for a message sent could land on the old end; a transcript that
+then followed only when exactly at its end never moved again, and the message and
+its stored reply stayed below the view. So while it follows the end (`following`:
+after a render, a message sent, or the user scrolling to the bottom; not after
+the user scrolled up), each change of its content height or of its own size
+scrolls it to the new end once that layout has set the sizes.
 """
 
 from __future__ import annotations
@@ -95,11 +107,17 @@ class MessageBlock(Vertical):
 
 
 class Transcript(VerticalScroll):
-    """The current session's messages; `show` renders a session, `append` streams into it."""
+    """The current session's messages; `show` renders a session, `append` streams into it.
+
+    While `following`, the last line stays in view as the content grows (see the
+    module docstring).
+    """
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.session_id: str | None = None
+        self.following = True  # keep the end in view; False once the user scrolls up
+        self._end_due = False  # a scroll to the end is queued
 
     def blocks(self) -> list[MessageBlock]:
         return [child for child in self.children if isinstance(child, MessageBlock)]
@@ -111,6 +129,39 @@ class Transcript(VerticalScroll):
             if isinstance(block, MessageBlock) and block.message_id == message_id:
                 return block
         return None
+
+    # ------------------------------------------------------------ following the end
+
+    def follow_end(self) -> None:
+        """Show the end now and keep it in view as the content grows (until the user scrolls
+        up); the layout of what was just mounted moves it again when it comes."""
+        self.following = True
+        self.scroll_end(animate=False, immediate=True)
+
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        super().watch_scroll_y(old_value, new_value)
+        # every scroll, the user's or ours, says whether the view is at the end now; a layout
+        # that grows the content moves no scroll, so it leaves `following` as it was
+        self.following = round(new_value) >= self.max_scroll_y
+
+    def watch_virtual_size(self) -> None:
+        self._keep_end_later()  # the content's height changed (a layout just measured it)
+
+    def on_resize(self) -> None:
+        self._keep_end_later()  # the view's height changed (the composer grew, the terminal)
+
+    def _keep_end_later(self) -> None:
+        # once this layout has set every size (it is running now): max_scroll_y is then right
+        if self.following and not self._end_due:
+            self._end_due = True
+            self.call_later(self._keep_end)
+
+    def _keep_end(self) -> None:
+        self._end_due = False
+        if self.following and self.scroll_offset.y != self.max_scroll_y:
+            self.scroll_end(animate=False, immediate=True)
+
+    # ---------------------------------------------------------------- rendering
 
     async def show(self, session_id: str | None, messages: Sequence[MessageView]) -> None:
         self.session_id = session_id
@@ -136,7 +187,7 @@ class Transcript(VerticalScroll):
         with self.app.batch_update():
             await self.remove_children()
             await self.mount_all(widgets)
-        self.scroll_end(animate=False, immediate=True)
+        self.follow_end()
 
     async def sync(self, session_id: str | None, messages: Sequence[MessageView]) -> None:
         """Bring the rendered session up to `messages`: new blocks mounted, ended replies
@@ -164,18 +215,15 @@ class Transcript(VerticalScroll):
                     await block.finish(message)
         new = messages[start + len(blocks) :]
         if new:
-            at_end = self.is_vertical_scroll_end
             await self.mount_all([MessageBlock(m) for m in new])
-            if at_end or any(m.role == "user" for m in new):
-                self.scroll_end(animate=False)
+            if any(m.role == "user" for m in new):
+                self.follow_end()  # a message sent: show it and its reply, wherever the view was
 
     async def append(self, chunk: Chunk) -> bool:
-        """Stream `chunk` into its message; False when the message or earlier text is missing."""
+        """Stream `chunk` into its message; False when the message or earlier text is missing.
+
+        The view follows the growing reply by itself while `following`."""
         block = self.block(chunk.message_id)
         if block is None:
             return False
-        at_end = self.is_vertical_scroll_end
-        ok = await block.append(chunk)
-        if ok and at_end:
-            self.scroll_end(animate=False)
-        return ok
+        return await block.append(chunk)
