@@ -1,15 +1,21 @@
-"""bf16 weights packed for oneDNN multiply exactly as the plain weights do, and a CPU
-whose torch cannot pack falls back to the plain weights."""
+"""bf16 weights packed for oneDNN multiply exactly as the plain weights do, a CPU whose
+torch cannot pack falls back to the plain weights, and packed products run at a bounded
+set of row counts (oneDNN builds and keeps a kernel for each one it sees)."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kvchat.engine.request import GenerationRequest, SamplingParams
 from kvchat.model import linear as linear_module
-from kvchat.model.linear import DenseLinear, onednn_bf16_packing
+from kvchat.model.linear import EXACT_ROWS, DenseLinear, onednn_bf16_packing, packed_rows
+from kvchat.model.loader import load_model
 from kvchat.model.quantized_linear import PACKED_FROM_TOKENS, Int4Linear, quantize_int4_rtn
+from tests.engine_helpers import Collector, small_engine
 
 needs_packing = pytest.mark.skipif(
     not onednn_bf16_packing(), reason="this CPU's torch does not pack bf16 weights for oneDNN"
@@ -63,3 +69,62 @@ def test_float32_weights_are_not_packed() -> None:
     layer = DenseLinear(torch.randn(32, 64))
     layer.prepack()
     assert layer.packed is None  # no gain measured for float32
+
+
+def test_packed_row_counts_are_few_and_pad_by_at_most_an_eighth() -> None:
+    padded = {rows: packed_rows(rows) for rows in range(1, 4097)}
+    assert all(padded[rows] == rows for rows in range(1, EXACT_ROWS + 1))
+    assert all(rows <= p < rows * 9 / 8 for rows, p in padded.items() if rows > EXACT_ROWS)
+    assert all(packed_rows(p) == p for p in padded.values())  # a padded count stays as it is
+    assert len(set(padded.values())) == EXACT_ROWS + 64  # 8 counts an octave above 16 rows
+
+
+class OneDNNRows:
+    """Wraps oneDNN's packed product, recording the row count of every call."""
+
+    def __init__(self) -> None:
+        self.real = torch.ops.mkldnn._linear_pointwise
+        self.rows: list[int] = []
+
+    def __call__(self, x: torch.Tensor, *args):
+        self.rows.append(x.shape[0])
+        return self.real(x, *args)
+
+
+@needs_packing
+def test_a_packed_layer_gives_the_plain_product_at_any_row_count(monkeypatch) -> None:
+    spy = OneDNNRows()
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    w, b = bf16(96, 64, seed=9), bf16(96, seed=10)
+    layer = DenseLinear(w, b)
+    layer.prepack()
+    for rows in range(EXACT_ROWS - 2, 300):
+        x = bf16(rows, 64, seed=rows)
+        got = layer(x)
+        assert got.shape == (rows, 96)
+        assert torch.allclose(got.float(), F.linear(x.float(), w.float(), b.float()),
+                              atol=0.05, rtol=0.02)  # fmt: skip
+    assert set(spy.rows) == {packed_rows(rows) for rows in range(EXACT_ROWS - 2, 300)}
+    assert len(set(spy.rows)) < 40  # for 286 row counts
+
+
+@needs_packing
+def test_prompts_of_many_lengths_reach_onednn_at_few_row_counts(tiny_llama_dir, monkeypatch):
+    """Each row count oneDNN multiplies by costs it a kernel it keeps (about half a MiB
+    each, up to 1,024 of them, then built again): prefills of ever new lengths made a
+    long-running kvchat grow by megabytes a turn."""
+    model = load_model(str(tiny_llama_dir), dtype="bfloat16", device="cpu")
+    spy = OneDNNRows()
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    rng = random.Random(0)
+    lengths = range(17, 137)  # 120 prompt lengths, each prefilled in one step
+    with small_engine(model) as engine:
+        for n in lengths:
+            c = Collector()
+            prompt = tuple(rng.randrange(3, model.config.vocab_size) for _ in range(n))
+            engine.submit(GenerationRequest(prompt, SamplingParams(), max_tokens=2), c)
+            assert c.wait().reason.value in ("stop", "length")
+    prefill_rows = {r for r in spy.rows if r > EXACT_ROWS}
+    assert prefill_rows  # the prefills did go through the packed product
+    assert prefill_rows <= {packed_rows(n) for n in lengths}
+    assert len(prefill_rows) <= 25  # 8 counts an octave from 17 to 136 rows, not 120

@@ -8,6 +8,12 @@ A bf16 weight on the CPU is multiplied fastest in oneDNN's blocked layout, packe
 once when the model is built (`prepack`): `F.linear` re-lays the weight out at every
 call. Packing gives identical results and no gain for float32, so only bf16 is packed
 (measured: docs/kernels.md).
+
+oneDNN builds a kernel for each row count it multiplies a packed weight by, and it and
+torch's wrapper keep every one built (up to 1,024 each, about half a MiB a kernel, and
+building one costs more than the product). Prefill steps come in ever new lengths, so a
+packed product runs at one of a few row counts (`packed_rows`): the kernels built stay
+few, and the process stops growing (measured: docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ class Linear(Protocol):
 
 
 PACK_ROWS_HINT = 16  # oneDNN tunes the layout for this many rows; 16 and 128 measured alike
+# Up to this many rows a packed product runs as it comes (decode batches: few counts);
+# above, at the next of 8 row counts an octave (at most 1/8 of the rows are padding).
+EXACT_ROWS = 16
 
 
 @functools.cache
@@ -66,9 +75,28 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
 
 
+def packed_rows(rows: int) -> int:
+    """The row count a packed product of `rows` rows runs at: `rows` itself up to
+    `EXACT_ROWS`, else rounded up to a multiple of 1/8 of its power of two (17 -> 18,
+    100 -> 104, 1000 -> 1024): 8 counts an octave, so at most 64 from 16 to 4,096 rows."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, in] times a `pack_weight` result (+ bias): [T, out]."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    """x [T, in] times a `pack_weight` result (+ bias): [T, out].
+
+    Run at `packed_rows(T)` rows, zero rows appended, so that oneDNN reuses the kernels
+    it built for earlier steps instead of building (and keeping) one for every new T.
+    """
+    rows = x.shape[0]
+    padded = packed_rows(rows)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return y if padded == rows else y[:rows]
 
 
 class DenseLinear:
