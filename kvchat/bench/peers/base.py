@@ -80,6 +80,17 @@ def batch_from_deltas(
     return BatchResult(len(deltas), tokens_each, rate, end - start)
 
 
+def concurrent_on_fresh_chat(
+    peer: ChatPeer, questions: Sequence[str], tokens_each: int, capacity_tokens: int
+) -> BatchResult:
+    """W2 on a server: a fresh chat (nothing cached), a conversation per question, at once."""
+    chat = peer.chat(capacity_tokens)
+    try:
+        return chat.concurrent(questions, tokens_each)  # type: ignore[attr-defined]
+    finally:
+        chat.close()
+
+
 class ChatEngine(Protocol):
     """Sessions kept the way this engine's users keep them; one turn at a time."""
 

@@ -18,7 +18,13 @@ import queue
 import time
 from collections.abc import Sequence
 
-from kvchat.bench.peers.base import BatchResult, PeerUnavailable, TurnResult, batch_from_deltas
+from kvchat.bench.peers.base import (
+    BatchResult,
+    PeerUnavailable,
+    TurnResult,
+    batch_from_deltas,
+    concurrent_on_fresh_chat,
+)
 from kvchat.chat.events import ReplyDelta, ReplyFinished, SessionFailed
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
@@ -144,11 +150,7 @@ class KvchatRemotePeer:
         self, questions: Sequence[str], tokens_each: int, capacity_tokens: int
     ) -> BatchResult:
         """W2 through the server: a fresh chat, one session per question, all said at once."""
-        chat = self.chat(capacity_tokens)
-        try:
-            return chat.concurrent(questions, tokens_each)
-        finally:
-            chat.close()
+        return concurrent_on_fresh_chat(self, questions, tokens_each, capacity_tokens)
 
     def close(self) -> None:
         """Nothing held between chats."""

@@ -34,7 +34,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvchat.bench.peers.base import BatchResult, PeerUnavailable, TurnResult, batch_from_deltas
+from kvchat.bench.peers.base import (
+    BatchResult,
+    PeerUnavailable,
+    TurnResult,
+    batch_from_deltas,
+    concurrent_on_fresh_chat,
+)
 
 SERVED_NAME = "bench"
 READY_TIMEOUT_S = 600.0
@@ -275,11 +281,7 @@ class VllmPeer:
         self, questions: Sequence[str], tokens_each: int, capacity_tokens: int
     ) -> BatchResult:
         """W2 on the running server, its prefix cache reset first as for a chat."""
-        chat = self.chat(capacity_tokens)
-        try:
-            return chat.concurrent(questions, tokens_each)
-        finally:
-            chat.close()
+        return concurrent_on_fresh_chat(self, questions, tokens_each, capacity_tokens)
 
     def close(self) -> None:
         self.server.stop()
