@@ -12,13 +12,7 @@ import torch.nn.functional as F
 
 from kvchat.engine.request import GenerationRequest, SamplingParams
 from kvchat.model import linear as linear_module
-from kvchat.model.linear import (
-    EXACT_ROWS,
-    MAX_PACKED_ROWS,
-    DenseLinear,
-    onednn_bf16_packing,
-    packed_rows,
-)
+from kvchat.model.linear import EXACT_ROWS, DenseLinear, onednn_bf16_packing, packed_rows
 from kvchat.model.loader import load_model
 from kvchat.model.quantized_linear import PACKED_FROM_TOKENS, Int4Linear, quantize_int4_rtn
 from tests.engine_helpers import Collector, small_engine
@@ -134,19 +128,3 @@ def test_prompts_of_many_lengths_reach_onednn_at_few_row_counts(tiny_llama_dir, 
     assert prefill_rows  # the prefills did go through the packed product
     assert prefill_rows <= {packed_rows(n) for n in lengths}
     assert len(prefill_rows) <= 25  # 8 counts an octave from 17 to 136 rows, not 120
-
-
-@needs_packing
-def test_a_long_packed_product_runs_in_blocks_of_bounded_rows(monkeypatch) -> None:
-    spy = OneDNNRows()
-    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
-    w, b = bf16(48, 32, seed=11), bf16(48, seed=12)
-    layer = DenseLinear(w, b)
-    layer.prepack()
-    rows = 2 * MAX_PACKED_ROWS + 77
-    x = bf16(rows, 32, seed=13)
-    got = layer(x)
-    assert got.shape == (rows, 48)
-    assert torch.allclose(got.float(), F.linear(x.float(), w.float(), b.float()),
-                          atol=0.05, rtol=0.02)  # fmt: skip
-    assert spy.rows == [MAX_PACKED_ROWS, MAX_PACKED_ROWS, packed_rows(77)]

@@ -12,9 +12,8 @@ call. Packing gives identical results and no gain for float32, so only bf16 is p
 oneDNN builds a kernel for each row count it multiplies a packed weight by, and it and
 torch's wrapper keep every one built (up to 1,024 each, about half a MiB a kernel, and
 building one costs more than the product). Prefill steps come in ever new lengths, so a
-packed product runs at one of a few row counts (`packed_rows`), in blocks of at most
-`MAX_PACKED_ROWS`: the kernels built stay few and small, and the process stops growing
-(measured: docs/reliability.md).
+packed product runs at one of a few row counts (`packed_rows`): the kernels built stay
+few, and the process stops growing (measured: docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -47,9 +46,6 @@ PACK_ROWS_HINT = 16  # oneDNN tunes the layout for this many rows; 16 and 128 me
 # Up to this many rows a packed product runs as it comes (decode batches: few counts);
 # above, at the next of 8 row counts an octave (at most 1/8 of the rows are padding).
 EXACT_ROWS = 16
-# Longer products run in blocks of this many rows: what oneDNN keeps for a row count grows
-# with it (about an output's size), and long prefills come late in a process's life.
-MAX_PACKED_ROWS = 512
 
 
 @functools.cache
@@ -93,13 +89,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     """x [T, in] times a `pack_weight` result (+ bias): [T, out].
 
     Run at `packed_rows(T)` rows, zero rows appended, so that oneDNN reuses the kernels
-    it built for earlier steps instead of building (and keeping) one for every new T;
-    more than `MAX_PACKED_ROWS` rows run block by block.
+    it built for earlier steps instead of building (and keeping) one for every new T.
     """
     rows = x.shape[0]
-    if rows > MAX_PACKED_ROWS:
-        blocks = x.split(MAX_PACKED_ROWS)
-        return torch.cat([packed_linear(block, packed, bias) for block in blocks])
     padded = packed_rows(rows)
     if padded != rows:
         x = F.pad(x, (0, 0, 0, padded - rows))
