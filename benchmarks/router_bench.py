@@ -58,6 +58,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvchat.testing.servers_dir import servers_dir as shared_servers_dir  # noqa: E402
+
 ROUTER_PACKAGE = "vllm-router==0.1.17"
 SESSION_HEADER = "X-Session-ID"  # kvchat's default; vllm-router's consistent_hash reads it
 SERVED_NAME = "smollm2"
@@ -282,22 +284,7 @@ def replica_metrics(root: str) -> dict:
 
 def servers_dir() -> Path:
     """The checkout's `.servers/`, or (in a git worktree without a build) the main one's."""
-    if os.environ.get("KVCHAT_SERVERS_DIR"):
-        return Path(os.environ["KVCHAT_SERVERS_DIR"])
-    own = ROOT / ".servers"
-    if (own / "llama-server" / "bin").exists():
-        return own
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        common = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--path-format=absolute", "--git-common-dir"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        shared = Path(common).parent / ".servers" if common else None
-        if shared is not None and (shared / "llama-server" / "bin").exists():
-            return shared
-    return own
+    return shared_servers_dir(ROOT)
 
 
 def llama_server_binary(servers: Path) -> Path:

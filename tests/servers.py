@@ -26,41 +26,14 @@ from pathlib import Path
 
 import pytest
 
+from kvchat.testing.servers_dir import servers_dir
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "benchmarks" / "servers"
 SERVED_NAME = "smollm2"
 
 
-def _main_checkout_servers() -> Path | None:
-    """`.servers/` of the clone's main checkout, when this checkout is a git worktree of it."""
-    try:
-        common = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--path-format=absolute", "--git-common-dir"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    main = Path(common).parent / ".servers" if common else None
-    return main if main is not None and main.resolve() != (ROOT / ".servers").resolve() else None
-
-
-def _servers_dir() -> Path:
-    """Where the servers live: KVCHAT_SERVERS_DIR, else this checkout's `.servers/`, else
-    (reused, never built there) the main checkout's, so the worktrees of one clone share a
-    build that took many minutes."""
-    if os.environ.get("KVCHAT_SERVERS_DIR"):
-        return Path(os.environ["KVCHAT_SERVERS_DIR"])
-    own = ROOT / ".servers"
-    shared = _main_checkout_servers()
-    built = "llama-server/bin"
-    if not (own / built).exists() and shared is not None and (shared / built).exists():
-        return shared
-    return own
-
-
-SERVERS = _servers_dir()
+SERVERS = servers_dir(ROOT)
 
 
 class Unavailable(Exception):

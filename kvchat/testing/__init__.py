@@ -1,5 +1,6 @@
 """Test doubles for kvchat's own tests and benchmarks; nothing in the application imports them.
 
 `fake_engine` is a scripted engine and a character-level chat template that stand
-in for the model; `tui` drives the app over them with Textual's pilot.
+in for the model; `tui` drives the app over them with Textual's pilot; `servers_dir`
+finds the built serving engines the remote tests and the router benchmark share.
 """
