@@ -18,6 +18,8 @@ masked when there are several; a single sequence with a long context is sliced i
 batch of parts merged by log-sum-exp, so both cores share the work); prefill chunks
 run SDPA per sequence, causal from the first new token on. Both fold grouped-query
 heads into query rows, so K/V stream once per kv head rather than once per query head.
+Every call into torch's attention on a CPU goes through `flash_shapes`, which rounds
+its shapes so that torch builds a bounded number of kernels over a process's life.
 
 It stays one module: `prepare` decides once per forward which of these paths each
 sequence takes, and every layer's call follows that decision with the same slots.
@@ -29,9 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from kvchat.engine import native_attention
+from kvchat.engine import flash_shapes, native_attention
 from kvchat.model.batch import ForwardBatch
 
 # A chunk's scattered context is read in at most this many runs of pages; more: one
@@ -43,12 +44,6 @@ MAX_PREFIX_RUNS = 8
 SHORT_PREFIX_RATIO = 4
 SPLIT_DECODE_FROM = 4096  # context tokens from which one decode's attention is sliced (measured)
 DECODE_SPLITS = 4
-
-
-def _flash_with_lse(q, k, v, *, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's CPU flash attention, returning the output and its log-sum-exp per row."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=causal)
-    return out, lse
 
 
 def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -86,8 +81,9 @@ class _ContextView:
     length: int
     gather: torch.Tensor | None  # [L] flat slot indices when not contiguous
     pages: torch.Tensor | None = None  # [n] page indices when not contiguous
-    # A prefill chunk after a cached prefix, on a CPU: the prefix as runs of consecutive
-    # pages (first flat slot, tokens), attended part by part, and the new tokens' slots
+    # A prefill chunk after a cached prefix, on a CPU: the prefix's whole pages as runs of
+    # consecutive pages (first flat slot, tokens), attended part by part, and the slots of
+    # the rest: the prefix's partial last page, then the new tokens
     prefix_runs: tuple[tuple[int, int], ...] | None = None
     new_slots: torch.Tensor | None = None
 
@@ -173,9 +169,13 @@ class PagedAttention:
                 views.append(None)
                 continue
             if cpu and 1 < n < total and MAX_PREFIX_RUNS > 0:  # a chunk after a prefix
-                runs = _prefix_runs(pages, total - n, S)
+                # the prefix's whole pages in place; its last, partial page's tokens join
+                # the new ones (so every run is whole pages: `flash_shapes`)
+                whole = (total - n) // S * S
+                runs = _prefix_runs(pages, whole, S)
                 if len(runs) <= MAX_PREFIX_RUNS:  # read in place
-                    new_slots = torch.tensor(slots[first_row:], dtype=torch.long)
+                    tail = [pages[pos // S] * S + pos % S for pos in range(whole, total - n)]
+                    new_slots = torch.tensor(tail + slots[first_row:], dtype=torch.long)
                     views.append(_ContextView(0, total, None, None, runs, new_slots))
                     continue
             first = pages[0]
@@ -350,12 +350,9 @@ class PagedAttention:
         """q [B, Hq, D] over keys/values [B, L, Hkv, D], query heads folded into kv heads."""
         B, Hq, D = q.shape
         group = Hq // self.num_kv_heads
-        out = F.scaled_dot_product_attention(
-            q.view(B, self.num_kv_heads, group, D),  # a kv head's query heads as its rows
-            keys.permute(0, 2, 1, 3),  # [B, Hkv, L, D]
-            values.permute(0, 2, 1, 3),
-            attn_mask=mask,
-        )  # [B, Hkv, group, D]
+        rows = q.view(B, self.num_kv_heads, group, D)  # a kv head's query heads as its rows
+        keys, values = keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+        out = flash_shapes.attend(rows, keys, values, mask)  # [B, Hkv, group, D]
         return out.reshape(B, Hq, D)
 
     def _decode_split(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
@@ -377,13 +374,13 @@ class PagedAttention:
         def sliced(t: torch.Tensor) -> torch.Tensor:  # [parts, Hkv, step, D], a view
             return t[:main].view(DECODE_SPLITS, step, Hkv, D).permute(0, 2, 1, 3)
 
-        out, lse = _flash_with_lse(
+        out, lse = flash_shapes.over_keys_with_lse(
             rows.expand(DECODE_SPLITS, Hkv, group, D), sliced(keys), sliced(values)
         )  # [parts, Hkv, g, D], [parts, Hkv, g]
         if main < L:  # the remainder, fewer than DECODE_SPLITS tokens
             rest_k = keys[main:].permute(1, 0, 2).unsqueeze(0)
             rest_v = values[main:].permute(1, 0, 2).unsqueeze(0)
-            rest_out, rest_lse = _flash_with_lse(rows, rest_k, rest_v)
+            rest_out, rest_lse = flash_shapes.over_keys_with_lse(rows, rest_k, rest_v)
             out = torch.cat([out, rest_out])
             lse = torch.cat([lse, rest_lse])
         return _merge(list(out), list(lse), q.dtype).reshape(1, Hq, D)
@@ -412,7 +409,7 @@ class PagedAttention:
             vs = self._context(v_flat, view).transpose(0, 1).unsqueeze(0)
             offset = view.length - n
             if offset == 0:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                o = flash_shapes.causal(qs, ks, vs, enable_gqa=True)
                 out[start : start + n] = o[0].transpose(0, 1)
             else:
                 out[start : start + n] = self._attend_after_prefix(i, q[start : start + n], ks, vs)
@@ -437,9 +434,11 @@ class PagedAttention:
             q_pos = torch.arange(total - n, total, device=q.device)[:, None]
             allowed = torch.arange(total, device=q.device)[None, :] <= q_pos  # [n, L]
             blocked = ~allowed.repeat_interleave(group, dim=0)  # [n * g, L]
-            mask = self._masks[seq] = self._additive_mask(blocked)
+            shape = flash_shapes.padded_shape(n * group, total, q.device)
+            mask = flash_shapes.pad_mask(self._additive_mask(blocked), *shape)  # once, here
+            self._masks[seq] = mask
         rows = q.view(n, Hkv, group, D).permute(1, 0, 2, 3).reshape(1, Hkv, n * group, D)
-        o = F.scaled_dot_product_attention(rows, ks, vs, attn_mask=mask)  # [1, Hkv, n*g, D]
+        o = flash_shapes.attend(rows, ks, vs, mask)  # [1, Hkv, n*g, D]
         return o.view(Hkv, n, group, D).permute(1, 0, 2, 3).reshape(n, Hq, D)
 
     def _attend_by_runs(
@@ -462,22 +461,27 @@ class PagedAttention:
         Hkv = self.num_kv_heads
         group = Hq // Hkv
         rows = q.view(n, Hkv, group, D).permute(1, 0, 2, 3).reshape(1, Hkv, n * group, D)
+        whole_pages = min(flash_shapes.KEY_GRANULE, self.page_size)  # every run's multiple
         outs: list[torch.Tensor] = []
         lses: list[torch.Tensor] = []
         for first, tokens in view.prefix_runs:
             part = _ContextView(first, tokens, None)
             ks = self._context(k_flat, part).transpose(0, 1).unsqueeze(0)  # [1, Hkv, t, D]
             vs = self._context(v_flat, part).transpose(0, 1).unsqueeze(0)
-            o, lse = _flash_with_lse(rows, ks, vs)
+            o, lse = flash_shapes.over_keys_with_lse(rows, ks, vs, key_granule=whole_pages)
             outs.append(o)
             lses.append(lse)
+        # the prefix's partial page (t tokens), then the chunk: the chunk's queries after t
+        # rows of zeros, so that each sees the keys up to its own position
         k_new, v_new = self._gather(k_flat, view.new_slots), self._gather(v_flat, view.new_slots)
+        t = k_new.shape[0] - n
+        q_new = torch.cat([q.new_zeros(t, Hq, D), q]) if t else q
 
-        def heads(x: torch.Tensor) -> torch.Tensor:  # [n, Hkv, D] -> [1, Hq, n, D]
-            return x.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+        def heads(x: torch.Tensor) -> torch.Tensor:  # [m, Hkv or Hq, D] -> [1, Hq, m, D]
+            return x.transpose(0, 1).repeat_interleave(Hq // x.shape[1], dim=0).unsqueeze(0)
 
-        o, lse = _flash_with_lse(q.transpose(0, 1).unsqueeze(0), heads(k_new), heads(v_new),
-                                 causal=True)  # fmt: skip
+        o, lse = flash_shapes.causal_with_lse(heads(q_new), heads(k_new), heads(v_new))
+        o, lse = o[:, :, t:], lse[:, :, t:]
         outs.append(o[0].view(Hkv, group, n, D).transpose(1, 2).reshape(1, Hkv, n * group, D))
         lses.append(lse[0].view(Hkv, group, n).transpose(1, 2).reshape(1, Hkv, n * group))
         merged = _merge(outs, lses, q.dtype)  # [1, Hkv, n*g, D]
@@ -509,9 +513,7 @@ class PagedAttention:
 
         ks, vs = whole(k_flat), whole(v_flat)
         padded = torch.cat([q.new_zeros(offset, Hq, D), q]) if offset else q
-        o = F.scaled_dot_product_attention(
-            padded.transpose(0, 1).unsqueeze(0), ks, vs, is_causal=True, enable_gqa=True
-        )
+        o = flash_shapes.causal(padded.transpose(0, 1).unsqueeze(0), ks, vs, enable_gqa=True)
         return o[0, :, offset:].transpose(0, 1)
 
 
