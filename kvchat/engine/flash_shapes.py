@@ -41,15 +41,20 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, extra)) if extra else x
 
 
+def causal_length(n: int, device: torch.device) -> int:
+    """The tokens `causal` passes to torch for `n` on `device`: a caller that copies its
+    keys anyway can append the zero rows in the same copy."""
+    return _ceil(n, KEY_GRANULE) if device.type == "cpu" and n >= ROW_GRANULE else n
+
+
 def causal(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, enable_gqa: bool = False
 ) -> torch.Tensor:
     """Causal self-attention, q `[B, Hq, n, D]` over k/v `[B, Hkv, n, D]` (the same
-    tokens, the first query row at the first key)."""
+    tokens, the first query row at the first key); inputs already `causal_length` long
+    (zero rows at the end) are passed as they are, and the output is as long."""
     n = q.shape[-2]
-    if not _bounded(q):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
-    size = _ceil(n, KEY_GRANULE)
+    size = causal_length(n, q.device)
     q, k, v = (_pad_rows(x, size) for x in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
     return out[..., :n, :]
@@ -61,9 +66,8 @@ def causal_with_lse(
     """As `causal` with as many kv heads as query heads, on a CPU, also returning each
     row's log-sum-exp `[B, H, n]` (to merge it with attention over other keys)."""
     n = q.shape[-2]
-    if _bounded(q):
-        size = _ceil(n, KEY_GRANULE)
-        q, k, v = (_pad_rows(x, size) for x in (q, k, v))
+    size = causal_length(n, q.device)
+    q, k, v = (_pad_rows(x, size) for x in (q, k, v))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=True)
     return out[..., :n, :], lse[..., :n]
 
@@ -96,8 +100,6 @@ def attend(
     m, length = q.shape[-2], k.shape[-2]
     rows, size = padded_shape(m, length, q.device)
     if (rows, size) == (m, length):
-        if mask is not None:  # grown for a CPU: cut back
-            mask = mask[..., : min(m, mask.shape[-2]), :length]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if mask is None:
         mask = _key_mask(length, length, q.dtype, q.device)

@@ -506,15 +506,19 @@ class PagedAttention:
         offset = view.length - n
         runs = [_ContextView(first, tokens, None) for first, tokens in view.prefix_runs]
 
+        # zero rows appended in the same copies, up to what `flash_shapes.causal` passes on
+        end = flash_shapes.causal_length(view.length, q.device) - view.length
+
         def whole(flat: _FlatKV) -> torch.Tensor:  # the prefix's runs, then the new tokens
             parts = [self._context(flat, run) for run in runs]
             parts.append(self._gather(flat, view.new_slots))
-            return torch.cat(parts).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            parts.append(parts[-1].new_zeros(end, *parts[-1].shape[1:]))
+            return torch.cat(parts).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L + end, D]
 
         ks, vs = whole(k_flat), whole(v_flat)
-        padded = torch.cat([q.new_zeros(offset, Hq, D), q]) if offset else q
+        padded = torch.cat([q.new_zeros(offset, Hq, D), q, q.new_zeros(end, Hq, D)])
         o = flash_shapes.causal(padded.transpose(0, 1).unsqueeze(0), ks, vs, enable_gqa=True)
-        return o[0, :, offset:].transpose(0, 1)
+        return o[0, :, offset : offset + n].transpose(0, 1)
 
 
 def _kernel_can_store(store: _FlatKV, k: torch.Tensor, v: torch.Tensor) -> bool:
