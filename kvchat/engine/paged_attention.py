@@ -478,7 +478,10 @@ class PagedAttention:
         q_new = torch.cat([q.new_zeros(t, Hq, D), q]) if t else q
 
         def heads(x: torch.Tensor) -> torch.Tensor:  # [m, Hkv or Hq, D] -> [1, Hq, m, D]
-            return x.transpose(0, 1).repeat_interleave(Hq // x.shape[1], dim=0).unsqueeze(0)
+            x = x.transpose(0, 1)
+            if x.shape[0] != Hq:  # grouped K/V: each kv head serves its query heads
+                x = x.repeat_interleave(Hq // x.shape[0], dim=0)
+            return x.unsqueeze(0)
 
         o, lse = flash_shapes.causal_with_lse(heads(q_new), heads(k_new), heads(v_new))
         o, lse = o[:, :, t:], lse[:, :, t:]
