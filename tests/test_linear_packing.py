@@ -4,7 +4,11 @@ set of row counts (oneDNN builds and keeps a kernel for each one it sees)."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,10 +16,22 @@ import torch.nn.functional as F
 
 from kvchat.engine.request import GenerationRequest, SamplingParams
 from kvchat.model import linear as linear_module
-from kvchat.model.linear import EXACT_ROWS, DenseLinear, onednn_bf16_packing, packed_rows
+from kvchat.model.linear import (
+    EXACT_ROWS,
+    HOT_ROWS,
+    KERNEL_CACHE_VARIABLES,
+    SPARE_ROW_COUNTS,
+    DenseLinear,
+    bound_kernel_caches,
+    kernel_cache_capacity,
+    onednn_bf16_packing,
+    packed_rows,
+)
 from kvchat.model.loader import load_model
 from kvchat.model.quantized_linear import PACKED_FROM_TOKENS, Int4Linear, quantize_int4_rtn
 from tests.engine_helpers import Collector, small_engine
+
+ROOT = Path(__file__).resolve().parents[1]
 
 needs_packing = pytest.mark.skipif(
     not onednn_bf16_packing(), reason="this CPU's torch does not pack bf16 weights for oneDNN"
@@ -71,12 +87,74 @@ def test_float32_weights_are_not_packed() -> None:
     assert layer.packed is None  # no gain measured for float32
 
 
-def test_packed_row_counts_are_few_and_pad_by_at_most_an_eighth() -> None:
+def test_packed_row_counts_are_few_and_pad_by_less_than_a_quarter() -> None:
     padded = {rows: packed_rows(rows) for rows in range(1, 4097)}
     assert all(padded[rows] == rows for rows in range(1, EXACT_ROWS + 1))
-    assert all(rows <= p < rows * 9 / 8 for rows, p in padded.items() if rows > EXACT_ROWS)
+    assert all(rows <= p < rows * 5 / 4 for rows, p in padded.items() if rows > EXACT_ROWS)
     assert all(packed_rows(p) == p for p in padded.values())  # a padded count stays as it is
-    assert len(set(padded.values())) == EXACT_ROWS + 64  # 8 counts an octave above 16 rows
+    assert len(set(padded.values())) == EXACT_ROWS + 36  # 4 counts an octave above 8 rows
+    hot = {padded[rows] for rows in range(PACKED_FROM_TOKENS, HOT_ROWS + 1)}
+    assert hot == {10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64}
+
+
+def test_the_kernel_caches_keep_every_frequent_kernel_and_a_few_long_ones() -> None:
+    def layers(make) -> list:
+        # a layer's four matrices (q/k/v, o, gate/up, down) times 3 layers: four shapes
+        shapes = [(96, 64), (64, 64), (256, 64), (64, 128)] * 3
+        return [make(torch.zeros(shape, dtype=torch.bfloat16)) for shape in shapes]
+
+    dense = layers(DenseLinear)  # every row count packed: 8 exact + 12 up to 64 rows
+    assert kernel_cache_capacity(dense) == 4 * (8 + 12) + 4 * SPARE_ROW_COUNTS
+    codes = torch.zeros(96, 64, dtype=torch.int64)
+    scales = torch.ones(96, 2)
+
+    def int4_with(dense_copy):  # packed from 10 rows only: 12 counts up to 64
+        return Int4Linear(codes, scales, scales, torch.bfloat16, dense=dense_copy)
+
+    assert kernel_cache_capacity([int4_with(torch.zeros(96, 64, dtype=torch.bfloat16))]) == 12 + 4
+    assert kernel_cache_capacity([int4_with(None)]) == 0  # no dense copy: nothing packed
+    assert kernel_cache_capacity([DenseLinear(torch.zeros(96, 64))]) == 0  # float32
+
+
+def test_a_capacity_the_user_set_is_kept(monkeypatch) -> None:
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "500")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    bound_kernel_caches([DenseLinear(torch.zeros(96, 64, dtype=torch.bfloat16))])
+    assert os.environ["LRU_CACHE_CAPACITY"] == "500"
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(8 + 12 + SPARE_ROW_COUNTS)
+
+
+CAPPED_CACHE_PROBE = """
+import torch
+from kvchat.model.linear import DenseLinear, bound_kernel_caches, packed_rows
+g = torch.Generator().manual_seed(0)
+layer = DenseLinear(torch.randn(96, 64, generator=g).to(torch.bfloat16))
+bound_kernel_caches([layer])
+layer.prepack()
+x = lambda rows: torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+print("MARK hot", flush=True)
+layer(x(16))
+print("MARK long", flush=True)
+for rows in range(72, 72 + 40 * 16, 16):  # 40 long steps, about 30 row counts
+    layer(x(rows))
+print("MARK hot again", flush=True)
+layer(x(16))
+"""
+
+
+@needs_packing
+def test_a_kernel_evicted_by_long_steps_is_built_again() -> None:
+    """The cap is live in oneDNN (not only in the environment): after more long row counts
+    than the spare room, the first kernel built is gone. Without the cap it stays."""
+    env = {k: v for k, v in os.environ.items() if k not in KERNEL_CACHE_VARIABLES}
+    env["ONEDNN_VERBOSE"] = "profile_create"
+    probe = [sys.executable, "-c", CAPPED_CACHE_PROBE]
+    run = subprocess.run(probe, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    after_long = out.split("MARK hot again")[1]
+    built_again = [line for line in after_long.splitlines() if "cache_miss" in line]
+    assert any("inner_product" in line and "mb16" in line for line in built_again), out[-2000:]
 
 
 class OneDNNRows:
@@ -105,14 +183,14 @@ def test_a_packed_layer_gives_the_plain_product_at_any_row_count(monkeypatch) ->
         assert torch.allclose(got.float(), F.linear(x.float(), w.float(), b.float()),
                               atol=0.05, rtol=0.02)  # fmt: skip
     assert set(spy.rows) == {packed_rows(rows) for rows in range(EXACT_ROWS - 2, 300)}
-    assert len(set(spy.rows)) < 40  # for 286 row counts
+    assert len(set(spy.rows)) == 24  # for 294 row counts
 
 
 @needs_packing
 def test_prompts_of_many_lengths_reach_onednn_at_few_row_counts(tiny_llama_dir, monkeypatch):
-    """Each row count oneDNN multiplies by costs it a kernel it keeps (about half a MiB
-    each, up to 1,024 of them, then built again): prefills of ever new lengths made a
-    long-running kvchat grow by megabytes a turn."""
+    """Each row count oneDNN multiplies by costs it a kernel it keeps (up to a few MiB
+    each): prefills of ever new lengths made a long-running kvchat grow by megabytes a
+    turn."""
     model = load_model(str(tiny_llama_dir), dtype="bfloat16", device="cpu")
     spy = OneDNNRows()
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
@@ -127,4 +205,4 @@ def test_prompts_of_many_lengths_reach_onednn_at_few_row_counts(tiny_llama_dir, 
     prefill_rows = {r for r in spy.rows if r > EXACT_ROWS}
     assert prefill_rows  # the prefills did go through the packed product
     assert prefill_rows <= {packed_rows(n) for n in lengths}
-    assert len(prefill_rows) <= 25  # 8 counts an octave from 17 to 136 rows, not 120
+    assert len(prefill_rows) <= 13  # 4 counts an octave from 17 to 136 rows, not 120

@@ -47,6 +47,7 @@ from kvchat.engine.events import (
     RequestStarted,
     TokenGenerated,
 )
+from kvchat.engine.heap_trim import HeapTrim
 from kvchat.engine.host_tier import HostTier
 from kvchat.engine.idle_housekeeping import IdleHousekeeping
 from kvchat.engine.kv_store import DeviceKVStore, HostKVStore, KVPageMover, pages_for_bytes
@@ -174,6 +175,7 @@ class Engine:
             deque()
         )  # (time, decode tokens, prefill tokens)
         self._idle = IdleHousekeeping(self.store)
+        self._heap = HeapTrim()
         self._stats = EngineStats(page_size=ps)
         self._publish_stats()
         self._thread = threading.Thread(target=self._loop, name="kvchat-engine", daemon=True)
@@ -333,6 +335,7 @@ class Engine:
         logits = self._run(scheduled)
         if logits is not None:
             self._postprocess(scheduled, logits, started)
+        self._heap.after_step(scheduled.batch.num_tokens)
         return True
 
     def _schedule(self) -> _ScheduledStep | None:
@@ -394,6 +397,7 @@ class Engine:
                 return True
             self._publish_stats()
             touch = self._idle.next_touch(self.store)
+        self._heap.at_idle()  # outside the lock, like the touching below
         if touch is None:
             return False
         self.store.touch(*touch)  # outside the lock: submit() never waits for page faults

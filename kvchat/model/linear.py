@@ -10,15 +10,18 @@ call. Packing gives identical results and no gain for float32, so only bf16 is p
 (measured: docs/kernels.md).
 
 oneDNN builds a kernel for each row count it multiplies a packed weight by, and it and
-torch's wrapper keep every one built (up to 1,024 each, about half a MiB a kernel, and
-building one costs more than the product). Prefill steps come in ever new lengths, so a
-packed product runs at one of a few row counts (`packed_rows`): the kernels built stay
-few, and the process stops growing (measured: docs/reliability.md).
+torch's wrapper keep every one built (up to 1,024 each, up to a few MiB a kernel, and
+building one costs more than a short product). Prefill steps come in ever new lengths,
+so a packed product runs at one of a few row counts (`packed_rows`), and both caches are
+capped at the kernels that every turn's steps use plus room for a few long prompts'
+(`bound_kernel_caches`): the process stops growing early (measured: docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -41,11 +44,23 @@ class Linear(Protocol):
         """Lay the weight out for the fastest kernel, once, after loading (and caching)."""
         ...
 
+    def packed_from_rows(self) -> int | None:
+        """The fewest rows this layer multiplies with a oneDNN-packed weight, None if it
+        never does; answered before `prepack` from whether its weight is packable."""
+        ...
+
 
 PACK_ROWS_HINT = 16  # oneDNN tunes the layout for this many rows; 16 and 128 measured alike
-# Up to this many rows a packed product runs as it comes (decode batches: few counts);
-# above, at the next of 8 row counts an octave (at most 1/8 of the rows are padding).
-EXACT_ROWS = 16
+# Up to this many rows a packed product runs as it comes (decode batches: few counts,
+# and a row more costs up to 10% there); above, at the next of 4 row counts an octave.
+EXACT_ROWS = 8
+# Steps of up to this many rows come at every turn (decodes, decodes beside a prefill
+# chunk): their kernels are kept. Longer steps (a new prompt, a history recomputed)
+# come now and then, at lengths that vary: the caches keep room for this many of their
+# row counts, and rebuild the kernels of one that comes back after being evicted.
+HOT_ROWS = 64
+SPARE_ROW_COUNTS = 4
+KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
 @functools.cache
@@ -75,14 +90,54 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
 
 
+def packable(weight: torch.Tensor | None) -> bool:
+    """Whether `pack_weight` would be asked to pack this weight (bf16 on a CPU)."""
+    return weight is not None and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+
+
 def packed_rows(rows: int) -> int:
     """The row count a packed product of `rows` rows runs at: `rows` itself up to
-    `EXACT_ROWS`, else rounded up to a multiple of 1/8 of its power of two (17 -> 18,
-    100 -> 104, 1000 -> 1024): 8 counts an octave, so at most 64 from 16 to 4,096 rows."""
+    `EXACT_ROWS`, else rounded up to a multiple of 1/4 of its power of two (9 -> 10,
+    17 -> 20, 100 -> 112, 1000 -> 1024): 4 counts an octave, at most 1/4 of the rows
+    padding (1/12 on average), 36 counts from 9 to 4,096 rows. Up to 64 rows a
+    product streams its weight more than it computes, so padding there costs little
+    (measured: docs/kernels.md)."""
     if rows <= EXACT_ROWS:
         return rows
-    step = 1 << (rows.bit_length() - 4)
+    step = 1 << (rows.bit_length() - 3)
     return -(-rows // step) * step
+
+
+def kernel_cache_capacity(linears: Iterable[Linear]) -> int:
+    """How many kernels oneDNN's caches should keep for these layers: one for each packed
+    weight shape and row count up to `HOT_ROWS` it multiplies at, plus `SPARE_ROW_COUNTS`
+    longer row counts for each shape."""
+    hot: set[tuple[int, int, int]] = set()
+    shapes: set[tuple[int, int]] = set()
+    for linear in linears:
+        first = linear.packed_from_rows()
+        if first is None:
+            continue
+        shape = (linear.out_features, linear.in_features)
+        shapes.add(shape)
+        hot.update((*shape, packed_rows(rows)) for rows in range(first, HOT_ROWS + 1))
+    return len(hot) + SPARE_ROW_COUNTS * len(shapes)
+
+
+def bound_kernel_caches(linears: Iterable[Linear]) -> None:
+    """Cap oneDNN's primitive cache and torch's (ideep's) at `kernel_cache_capacity`.
+
+    Both keep up to 1,024 kernels by default, least recently used out, so a long chat
+    would hold a kernel for every long step's row count it ever met: tens to hundreds of
+    MiB, growing for hours. Each reads its capacity from the environment once, when it
+    first builds a kernel, so this runs before the first packing (the probe in
+    `onednn_bf16_packing` builds one); later calls change nothing. A capacity the user
+    set in the environment is kept.
+    """
+    capacity = kernel_cache_capacity(linears)
+    if capacity:
+        for name in KERNEL_CACHE_VARIABLES:
+            os.environ.setdefault(name, str(capacity))
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -131,6 +186,9 @@ class DenseLinear:
 
     def nbytes(self) -> int:
         return self._nbytes
+
+    def packed_from_rows(self) -> int | None:
+        return 1 if self.packed is not None or packable(self.weight) else None
 
     @classmethod
     def fused(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvchat.model.linear import pack_weight, packed_linear
+from kvchat.model.linear import pack_weight, packable, packed_linear
 
 GROUP_SIZE = 32
 INNER_K_TILES = 2
@@ -81,6 +81,10 @@ class _WeightOnlyLinear:
             return F.linear(x, self.dense, self.bias)
         y = self._matmul(x)
         return y if self.bias is None else y + self.bias
+
+    def packed_from_rows(self) -> int | None:
+        packs = self.dense_packed is not None or packable(self.dense)
+        return PACKED_FROM_TOKENS if packs else None
 
     def nbytes(self) -> int:
         tensors = (getattr(self, name) for name in self._TENSORS)

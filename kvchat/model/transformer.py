@@ -21,7 +21,7 @@ from kvchat.model import huge_pages
 from kvchat.model.batch import Attention, ForwardBatch
 from kvchat.model.config import ModelConfig
 from kvchat.model.decoder_ops import add_rms_norm, rotate_, silu_mul
-from kvchat.model.linear import DenseLinear, Linear
+from kvchat.model.linear import DenseLinear, Linear, bound_kernel_caches
 from kvchat.model.rope import RotaryTable
 
 
@@ -96,7 +96,9 @@ class Transformer:
             Layer(config, _strip_prefix(weights, f"model.layers.{i}."))
             for i in range(config.num_layers)
         ]
-        for linear in self._linears():
+        linears = self._linears()
+        bound_kernel_caches(linears)  # before the first packing builds a kernel
+        for linear in linears:
             linear.prepack()  # after the loader cached any quantized layers (see `Linear`)
         if self.device.type == "cpu":
             self._gather_into_huge_pages()
