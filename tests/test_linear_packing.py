@@ -22,7 +22,7 @@ from kvchat.model.linear import (
     KERNEL_CACHE_VARIABLES,
     SPARE_ROW_COUNTS,
     DenseLinear,
-    bound_kernel_caches,
+    bounded_kernel_caches,
     kernel_cache_capacity,
     onednn_bf16_packing,
     packed_rows,
@@ -116,21 +116,23 @@ def test_the_kernel_caches_keep_every_frequent_kernel_and_a_few_long_ones() -> N
     assert kernel_cache_capacity([DenseLinear(torch.zeros(96, 64))]) == 0  # float32
 
 
-def test_a_capacity_the_user_set_is_kept(monkeypatch) -> None:
+def test_a_capacity_the_user_set_is_kept_and_ours_is_not_left_behind(monkeypatch) -> None:
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "500")
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
-    bound_kernel_caches([DenseLinear(torch.zeros(96, 64, dtype=torch.bfloat16))])
+    with bounded_kernel_caches([DenseLinear(torch.zeros(96, 64, dtype=torch.bfloat16))]):
+        assert os.environ["LRU_CACHE_CAPACITY"] == "500"
+        assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(8 + 12 + SPARE_ROW_COUNTS)
     assert os.environ["LRU_CACHE_CAPACITY"] == "500"
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(8 + 12 + SPARE_ROW_COUNTS)
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in os.environ  # child processes: no cap
 
 
 CAPPED_CACHE_PROBE = """
 import torch
-from kvchat.model.linear import DenseLinear, bound_kernel_caches, packed_rows
+from kvchat.model.linear import DenseLinear, bounded_kernel_caches
 g = torch.Generator().manual_seed(0)
 layer = DenseLinear(torch.randn(96, 64, generator=g).to(torch.bfloat16))
-bound_kernel_caches([layer])
-layer.prepack()
+with bounded_kernel_caches([layer]):
+    layer.prepack()
 x = lambda rows: torch.randn(rows, 64, generator=g).to(torch.bfloat16)
 print("MARK hot", flush=True)
 layer(x(16))

@@ -14,14 +14,15 @@ torch's wrapper keep every one built (up to 1,024 each, up to a few MiB a kernel
 building one costs more than a short product). Prefill steps come in ever new lengths,
 so a packed product runs at one of a few row counts (`packed_rows`), and both caches are
 capped at the kernels that every turn's steps use plus room for a few long prompts'
-(`bound_kernel_caches`): the process stops growing early (measured: docs/reliability.md).
+(`bounded_kernel_caches`): the process stops growing early (measured: docs/reliability.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import torch
@@ -124,20 +125,29 @@ def kernel_cache_capacity(linears: Iterable[Linear]) -> int:
     return len(hot) + SPARE_ROW_COUNTS * len(shapes)
 
 
-def bound_kernel_caches(linears: Iterable[Linear]) -> None:
-    """Cap oneDNN's primitive cache and torch's (ideep's) at `kernel_cache_capacity`.
+@contextlib.contextmanager
+def bounded_kernel_caches(linears: Iterable[Linear]) -> Iterator[None]:
+    """Pack inside this: oneDNN's primitive cache and torch's (ideep's) are then capped at
+    `kernel_cache_capacity`.
 
     Both keep up to 1,024 kernels by default, least recently used out, so a long chat
     would hold a kernel for every long step's row count it ever met: tens to hundreds of
     MiB, growing for hours. Each reads its capacity from the environment once, when it
-    first builds a kernel, so this runs before the first packing (the probe in
-    `onednn_bf16_packing` builds one); later calls change nothing. A capacity the user
-    set in the environment is kept.
+    first builds a kernel, which the first packing does (the probe in
+    `onednn_bf16_packing`); in a process that built one before, this changes nothing. A
+    capacity the user set is kept. The variables set here are taken out again on the way
+    out, so that processes kvchat starts (a peer server in a benchmark) do not inherit a
+    cap sized for this model.
     """
     capacity = kernel_cache_capacity(linears)
-    if capacity:
-        for name in KERNEL_CACHE_VARIABLES:
-            os.environ.setdefault(name, str(capacity))
+    ours = [name for name in KERNEL_CACHE_VARIABLES if name not in os.environ] if capacity else []
+    for name in ours:
+        os.environ[name] = str(capacity)
+    try:
+        yield
+    finally:
+        for name in ours:
+            os.environ.pop(name, None)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -21,7 +21,7 @@ from kvchat.model import huge_pages
 from kvchat.model.batch import Attention, ForwardBatch
 from kvchat.model.config import ModelConfig
 from kvchat.model.decoder_ops import add_rms_norm, rotate_, silu_mul
-from kvchat.model.linear import DenseLinear, Linear, bound_kernel_caches
+from kvchat.model.linear import DenseLinear, Linear, bounded_kernel_caches
 from kvchat.model.rope import RotaryTable
 
 
@@ -97,9 +97,9 @@ class Transformer:
             for i in range(config.num_layers)
         ]
         linears = self._linears()
-        bound_kernel_caches(linears)  # before the first packing builds a kernel
-        for linear in linears:
-            linear.prepack()  # after the loader cached any quantized layers (see `Linear`)
+        with bounded_kernel_caches(linears):  # the first packing builds the first kernel
+            for linear in linears:
+                linear.prepack()  # after the loader cached any quantized layers (see `Linear`)
         if self.device.type == "cpu":
             self._gather_into_huge_pages()
         self.max_positions = max_positions or config.max_position_embeddings
