@@ -34,8 +34,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvchat.chat.events import ChatEvent, ReplyFinished, SessionFailed
@@ -43,6 +41,7 @@ from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
 from kvchat.engine.config import EngineConfig
 from kvchat.engine.engine import Engine
+from kvchat.engine.kv_store import fault_in
 from kvchat.engine.request import SamplingParams
 from kvchat.model.loader import load_model
 from kvchat.units import parse_size
@@ -73,12 +72,12 @@ def fault_in_caches(engine: Engine) -> None:
     they are first written: unfaulted, the soak's first few hundred turns would show
     up to their whole size (160 MiB at the defaults) as "growth". An idle kvchat
     commits its device store within seconds of launch anyway (idle housekeeping). No
-    request has run yet, so nothing else writes the stores meanwhile, and adding zero to
-    one byte every 4 KiB changes nothing.
+    request has run yet, so nothing else writes the stores meanwhile (`fault_in` keeps
+    their bytes).
     """
     stores = [engine.store, engine.host_store]
     for part in (t for store in stores if store is not None for t in store.parts):
-        part.view(-1).view(torch.uint8)[::4096].add_(0)
+        fault_in(part)
 
 
 def rss_bytes() -> int:

@@ -151,8 +151,13 @@ class DeviceKVStore:
             return
         for part in self.parts:
             for layer in range(self.num_layers):
-                region = part[layer, first:last].reshape(-1).view(torch.uint8)
-                region[::4096].add_(0)
+                fault_in(part[layer, first:last])
+
+
+def fault_in(region: torch.Tensor) -> None:
+    """Make the OS map a CPU tensor's memory now, keeping its bytes: one byte every 4 KiB
+    is read and written back (zero added). Only a tensor's sole writer may call this."""
+    region.reshape(-1).view(torch.uint8)[::4096].add_(0)
 
 
 class HostKVStore:
