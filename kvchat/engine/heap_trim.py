@@ -3,8 +3,8 @@
 A long step (a new prompt, a history recomputed: hundreds to thousands of rows) allocates
 activations of many MiB and frees them at its end. glibc keeps freed blocks in its arenas
 for reuse and returns a page to the OS only from the top of an arena, so once a smaller
-allocation lands above them the pages stay resident: over 300 turns of the soak the
-heap's free part grew from 58 to 109 MiB. `malloc_trim(0)` returns every whole free page
+allocation lands above them the pages stay resident: from turn 100 to 300 of the soak the
+heap's free part grew from 48 to 125 MiB. `malloc_trim(0)` returns every whole free page
 of every arena (a few milliseconds).
 
 It runs once a burst of long steps is over (the next step is short, or the engine has
