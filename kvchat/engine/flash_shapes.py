@@ -101,10 +101,12 @@ def attend(
     rows, size = padded_shape(m, length, q.device)
     if (rows, size) == (m, length):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if mask is None:
-        mask = _key_mask(length, length, q.dtype, q.device)
+    if mask is None:  # only the appended keys to block: one row, broadcast
+        mask = _key_mask(length, size, q.dtype, q.device)
+    else:
+        mask = pad_mask(mask, rows, size)
     q, k, v = _pad_rows(q, rows), _pad_rows(k, size), _pad_rows(v, size)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=pad_mask(mask, rows, size))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out[..., :m, :]
 
 
