@@ -175,10 +175,11 @@ def start_engine(options: RuntimeOptions, progress: Callable[[str], None]):
     from kvchat.model.device import parse_device
 
     # refused before the model loads: a choice this device or KV format cannot run
-    attention = resolve_attention(options.attention, parse_device(options.device), options.kv)
-    if attention == "native":
-        native_build.request()  # compiles (first run only) while the model loads
-    elif attention == "flex":
+    device = parse_device(options.device)
+    attention = resolve_attention(options.attention, device, options.kv)
+    if device.type == "cpu":  # attention and 4-bit matmul kernels: built once, in the background
+        native_build.request()
+    if attention == "flex":
         from kvchat.engine.flex_attention import configure_compile_cache
         from kvchat.paths import app_paths
 

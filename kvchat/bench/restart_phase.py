@@ -133,8 +133,8 @@ def follow_ups(spec: RestartSpec) -> list[TurnResult]:
     if model.fingerprint != m.fingerprint:
         raise KvchatError(f"the model loaded as {model.fingerprint}, not {m.fingerprint}")
     config = engine_config(spec.engine)
-    if config.attention == "native":
-        native_build.request(wait=True)  # the kernel the bench process measured with
+    if model.transformer.device.type == "cpu":
+        native_build.request(wait=True)  # the kernels the bench process measured with
     chat = KvchatChat(model, config, Path(spec.store_path))
     try:
         return [chat.turn(s, spec.text, spec.max_tokens) for s in spec.sessions]

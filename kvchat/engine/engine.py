@@ -154,8 +154,8 @@ class Engine:
         self.attention = make_attention(
             self.store, self.attention_kind, max_batch=self.config.max_batch
         )
-        if self.attention_kind == "native":
-            native_build.request()  # in the background: SDPA serves until it is loaded
+        if self.transformer.device.type == "cpu":
+            native_build.request()  # in the background: torch's kernels serve until it loads
         self.scheduler = Scheduler(self.config, self.table)
         self.drafts = DraftQueue(self.config.step_token_budget)
         self.max_context = min(mc.max_position_embeddings, self.transformer.max_positions)

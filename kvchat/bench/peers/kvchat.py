@@ -256,8 +256,8 @@ class KvchatPeer(SpeedMeasured):
         self.bytes_per_token = kv_bytes_per_token(
             c.num_layers, c.num_kv_heads, c.head_dim, model.transformer.dtype, kv_format
         )
-        if self.attention == "native":
-            native_build.request(wait=True)  # measured with the kernel users get
+        if model.transformer.device.type == "cpu":
+            native_build.request(wait=True)  # measured with the kernels users get
         attention = {
             "native": "kvchat's attention kernel"
             if native_build.status().loaded

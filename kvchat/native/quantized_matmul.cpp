@@ -1,0 +1,422 @@
+// 4-bit and 8-bit weight matrices times float activations, dequantized in registers.
+//
+// Why: torch's int4 CPU kernel is fast only with bf16 activations; with float32 ones
+// (every CPU without native bf16: most laptops) it runs a reference loop, 50x slower
+// than bf16 for one row, and a decode step crawls. Here a weight's codes are unpacked
+// and scaled in registers, group by group, and multiplied into float32 accumulators,
+// so a float32 result equals a float32 product with the dequantized weight
+// (w = code * scale + offset, one fused multiply-add) up to summation order.
+//
+// Layout (`kvchat/model/quantized_linear.py` makes it): a row of the weight is K / 32
+// groups; a 4-bit group is 16 bytes, byte j holding element j in its low nibble and
+// element j + 16 in its high one (GGUF's Q4_0/Q4_1 order); an 8-bit group is 32 signed
+// bytes. Each group has a scale (and a 4-bit one an offset) in float32 or float16; the
+// half ones are converted a row at a time. Decode (one or two rows) streams each weight
+// row once through the fused loop; more rows dequantize a weight row once into a buffer
+// that stays in L1 and take the activation rows four at a time.
+//
+// Vectorized with AVX-512 or AVX2 + FMA intrinsics where the compiler targets them; a
+// plain C++ path (loops the compiler vectorizes for whatever it targets) elsewhere.
+// Weight rows are split over torch's thread pool. Compiled with the other kernels by
+// kvchat/native/build.py.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "element_types.h"
+
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 32;            // weights sharing one scale (and offset)
+constexpr int64_t kSerialMacs = 1 << 17;  // multiply-adds below which one thread does a call
+constexpr int64_t kFusedRows = 2;         // up to this many rows: one fused pass per weight row
+constexpr int64_t kRowTile = 4;           // activation rows a buffered pass serves at once
+// How far ahead of the group being unpacked the code stream is prefetched: the
+// hardware prefetcher alone leaves decode at half the memory bandwidth, since a weight
+// row is only a few hundred bytes (measured: docs/kernels.md).
+constexpr int64_t kPrefetchBytes = 2048;
+#if defined(__SSE__)
+#define PREFETCH(p) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0)
+#else
+#define PREFETCH(p) __builtin_prefetch(p)
+#endif
+
+// ---- float vectors: the compiler's target decides the width.
+#if defined(__AVX512F__)
+constexpr const char* kIsa = "avx512";
+constexpr int kLanes = 16;
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset1(float x) { return _mm512_set1_ps(x); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec x) { _mm512_storeu_ps(p, x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline float vsum(Vec x) { return _mm512_reduce_add_ps(x); }
+
+inline void unpack_q4(const uint8_t* p, Vec* q) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble)));
+  q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)));
+}
+inline void unpack_q8(const uint8_t* p, Vec* q) {
+  for (int i = 0; i < 2; ++i) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i));
+    q[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr const char* kIsa = "avx2";
+constexpr int kLanes = 8;
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset1(float x) { return _mm256_set1_ps(x); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec x) { _mm256_storeu_ps(p, x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline float vsum(Vec x) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+inline Vec widen8(__m128i bytes, bool is_signed) {
+  const __m256i ints = is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+  return _mm256_cvtepi32_ps(ints);
+}
+inline void unpack_q4(const uint8_t* p, Vec* q) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(bytes, nibble);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+  q[0] = widen8(lo, false);
+  q[1] = widen8(_mm_srli_si128(lo, 8), false);
+  q[2] = widen8(hi, false);
+  q[3] = widen8(_mm_srli_si128(hi, 8), false);
+}
+inline void unpack_q8(const uint8_t* p, Vec* q) {
+  for (int i = 0; i < 4; ++i) {
+    q[i] = widen8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)), true);
+  }
+}
+#else
+constexpr const char* kIsa = "portable";
+constexpr int kLanes = 8;
+struct Vec {
+  float v[kLanes];
+};
+inline Vec vzero() { return Vec{}; }
+inline Vec vset1(float x) {
+  Vec r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = x;
+  return r;
+}
+inline Vec vload(const float* p) {
+  Vec r;
+  std::memcpy(r.v, p, sizeof r.v);
+  return r;
+}
+inline void vstore(float* p, Vec x) { std::memcpy(p, x.v, sizeof x.v); }
+inline Vec vfma(Vec a, Vec b, Vec c) {
+  for (int i = 0; i < kLanes; ++i) c.v[i] += a.v[i] * b.v[i];
+  return c;
+}
+inline Vec vmul(Vec a, Vec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] *= b.v[i];
+  return a;
+}
+inline Vec vadd(Vec a, Vec b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline float vsum(Vec x) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += x.v[i];
+  return s;
+}
+inline void unpack_q4(const uint8_t* p, Vec* q) {
+  for (int j = 0; j < 16; ++j) {
+    q[j / kLanes].v[j % kLanes] = static_cast<float>(p[j] & 0x0F);
+    q[(j + 16) / kLanes].v[j % kLanes] = static_cast<float>(p[j] >> 4);
+  }
+}
+inline void unpack_q8(const uint8_t* p, Vec* q) {
+  for (int j = 0; j < 32; ++j) {
+    q[j / kLanes].v[j % kLanes] = static_cast<float>(static_cast<int8_t>(p[j]));
+  }
+}
+#endif
+
+constexpr int kPerGroup = kGroup / kLanes;  // vectors a group fills
+// Weight rows a fused pass takes at once for one activation row: as many as leave the
+// accumulators, the activations and a dequantized group in registers (32 with
+// AVX-512, 16 with AVX2).
+constexpr int kFusedWeightRows = kLanes == 16 ? 4 : 2;
+
+// What differs between the two formats: a group's bytes, how they unpack, whether an
+// offset is added.
+struct Q4 {
+  static constexpr int64_t kBytes = kGroup / 2;
+  static constexpr bool kOffset = true;
+  static void unpack(const uint8_t* p, Vec* q) { unpack_q4(p, q); }
+};
+struct Q8 {
+  static constexpr int64_t kBytes = kGroup;
+  static constexpr bool kOffset = false;
+  static void unpack(const uint8_t* p, Vec* q) { unpack_q8(p, q); }
+};
+
+// One group's 32 weights as floats: code * scale (+ offset).
+template <typename F>
+inline void dequantize_group(const uint8_t* codes, float scale, float offset, Vec* w) {
+  F::unpack(codes, w);
+  const Vec s = vset1(scale);
+  if constexpr (F::kOffset) {
+    const Vec o = vset1(offset);
+    for (int i = 0; i < kPerGroup; ++i) w[i] = vfma(w[i], s, o);
+  } else {
+    for (int i = 0; i < kPerGroup; ++i) w[i] = vmul(w[i], s);
+  }
+}
+
+// Dot products of W weight rows with R activation rows, the weights dequantized in
+// registers: the decode path, which streams each weight byte from memory once. W rows
+// at once give the multiply-adds W * R independent chains (one row alone waits on its
+// own accumulators' latency) and the memory system W streams in flight.
+template <typename F, int R, int W>
+void fused_rows(const uint8_t* codes, const float* scales, const float* offsets,
+                int64_t groups, const float* x, int64_t k, float* dots) {
+  Vec acc[W][R][kPerGroup];
+  for (int w = 0; w < W; ++w) {
+    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < kPerGroup; ++i) acc[w][r][i] = vzero();
+    }
+  }
+  const int64_t row_bytes = groups * F::kBytes;
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * kGroup;
+    for (int w = 0; w < W; ++w) {
+      Vec q[kPerGroup];
+      const int64_t at = w * groups + g;
+      PREFETCH(codes + w * row_bytes + g * F::kBytes + kPrefetchBytes);
+      dequantize_group<F>(codes + w * row_bytes + g * F::kBytes, scales[at],
+                          F::kOffset ? offsets[at] : 0.f, q);
+      // the activations are read from L1 by each multiply-add: kept in registers
+      // across the W rows they would spill the accumulators with AVX2's 16
+      for (int r = 0; r < R; ++r) {
+        for (int i = 0; i < kPerGroup; ++i) {
+          acc[w][r][i] = vfma(vload(xg + r * k + i * kLanes), q[i], acc[w][r][i]);
+        }
+      }
+    }
+  }
+  for (int w = 0; w < W; ++w) {
+    for (int r = 0; r < R; ++r) {
+      Vec total = acc[w][r][0];
+      for (int i = 1; i < kPerGroup; ++i) total = vadd(total, acc[w][r][i]);
+      dots[w * R + r] = vsum(total);
+    }
+  }
+}
+
+// Dot products of one dequantized weight row (in L1) with R activation rows.
+template <int R>
+void buffered_row(const float* w, const float* x, int64_t k, float* dots) {
+  Vec acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
+  for (int64_t j = 0; j < k; j += 2 * kLanes) {
+    const Vec w0 = vload(w + j);
+    const Vec w1 = vload(w + j + kLanes);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = vfma(vload(x + r * k + j), w0, acc[r][0]);
+      acc[r][1] = vfma(vload(x + r * k + j + kLanes), w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) dots[r] = vsum(vadd(acc[r][0], acc[r][1]));
+}
+
+template <int R>
+void buffered_tile(const float* w, const float* x, int64_t k, int64_t rows, float* dots) {
+  if constexpr (R > 1) {
+    if (rows < R) return buffered_tile<R - 1>(w, x, k, rows, dots);
+  }
+  buffered_row<R>(w, x, k, dots);
+}
+
+// A row's float32 scales (or offsets), converted from half where they are stored so.
+template <typename S>
+const float* as_floats(const S* p, int64_t n, float* scratch) {
+  if constexpr (std::is_same_v<S, float>) {
+    return p;
+  } else {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
+      _mm256_storeu_ps(scratch + i, _mm256_cvtph_ps(h));
+    }
+#endif
+    for (; i < n; ++i) scratch[i] = static_cast<float>(p[i]);
+    return scratch;
+  }
+}
+
+// A pass of fused_rows over weight rows [row, row + W) for the m (<= 2) activation rows.
+template <typename F, int W>
+void fused_pass(const uint8_t* codes, const float* s, const float* o, int64_t groups,
+                const float* x, int64_t m, int64_t k, int64_t row, int64_t n, float* out) {
+  float dots[W * kFusedRows];
+  if (m == 1) {
+    fused_rows<F, 1, W>(codes, s, o, groups, x, k, dots);
+  } else {
+    fused_rows<F, 2, (W > 1 ? W / 2 : 1)>(codes, s, o, groups, x, k, dots);
+    if constexpr (W > 1) {  // the second half of the W rows
+      fused_rows<F, 2, W / 2>(codes + W / 2 * groups * F::kBytes, s + W / 2 * groups,
+                              F::kOffset ? o + W / 2 * groups : nullptr, groups, x, k,
+                              dots + W);
+    }
+  }
+  for (int w = 0; w < W; ++w) {
+    for (int64_t r = 0; r < m; ++r) out[r * n + row + w] = dots[w * m + r];
+  }
+}
+
+// out[m, n] = sum_k x[m, k] * w[n, k] for weight rows [begin, end).
+template <typename F, typename S>
+void matmul_rows(const float* x, int64_t m, int64_t k, const uint8_t* codes, const S* scales,
+                 const S* offsets, int64_t begin, int64_t end, int64_t n, float* out) {
+  const int64_t groups = k / kGroup;
+  constexpr int W = kFusedWeightRows;
+  if (m <= kFusedRows) {
+    std::vector<float> scale_rows(W * groups), offset_rows(W * groups);
+    for (int64_t row = begin; row < end;) {
+      const int64_t take = end - row >= W ? W : 1;
+      const uint8_t* c = codes + row * groups * F::kBytes;
+      const float* s = as_floats(scales + row * groups, take * groups, scale_rows.data());
+      const float* o = F::kOffset
+                           ? as_floats(offsets + row * groups, take * groups, offset_rows.data())
+                           : nullptr;
+      if (take == W) {
+        fused_pass<F, W>(c, s, o, groups, x, m, k, row, n, out);
+      } else {
+        fused_pass<F, 1>(c, s, o, groups, x, m, k, row, n, out);
+      }
+      row += take;
+    }
+    return;
+  }
+  std::vector<float> scale_row(groups), offset_row(groups), weight_row(k);
+  float dots[kRowTile];
+  for (int64_t row = begin; row < end; ++row) {
+    const uint8_t* c = codes + row * groups * F::kBytes;
+    const float* s = as_floats(scales + row * groups, groups, scale_row.data());
+    const float* o = F::kOffset ? as_floats(offsets + row * groups, groups, offset_row.data())
+                                : nullptr;
+    float* w = weight_row.data();
+    for (int64_t g = 0; g < groups; ++g) {
+      Vec v[kPerGroup];
+      PREFETCH(c + g * F::kBytes + kPrefetchBytes);
+      dequantize_group<F>(c + g * F::kBytes, s[g], F::kOffset ? o[g] : 0.f, v);
+      for (int i = 0; i < kPerGroup; ++i) vstore(w + g * kGroup + i * kLanes, v[i]);
+    }
+    for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
+      const int64_t rows = std::min<int64_t>(kRowTile, m - r0);
+      buffered_tile<kRowTile>(w, x + r0 * k, k, rows, dots);
+      for (int64_t r = 0; r < rows; ++r) out[(r0 + r) * n + row] = dots[r];
+    }
+  }
+}
+
+template <typename F>
+at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
+                            const at::Tensor& scales, const at::Tensor* offsets,
+                            const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x a contiguous [rows, K] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x float32 or bfloat16");
+  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0);
+  TORCH_CHECK(k % kGroup == 0, op, ": K a multiple of ", kGroup);
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte &&
+                  codes.size(1) == k / kGroup * F::kBytes,
+              op, ": codes [N, K / 32 * ", F::kBytes, "] uint8, contiguous");
+  const auto scale_type = scales.scalar_type();
+  TORCH_CHECK(scale_type == at::kFloat || scale_type == at::kHalf, op,
+              ": scales float32 or float16");
+  TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.size(0) == n &&
+                  scales.size(1) == k / kGroup,
+              op, ": scales [N, K / 32], contiguous");
+  if (offsets != nullptr) {
+    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->is_contiguous() &&
+                    offsets->scalar_type() == scale_type,
+                op, ": offsets shaped and typed like the scales");
+  }
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
+  at::Tensor out = at::empty({m, n}, xf.options());
+  const float* xp = xf.data_ptr<float>();
+  float* op_out = out.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const int64_t grain = std::max<int64_t>(1, kSerialMacs / std::max<int64_t>(1, m * k));
+  auto run = [&](auto scale_tag) {
+    using S = decltype(scale_tag);
+    const S* sp = scales.data_ptr<S>();
+    const S* offp = offsets != nullptr ? offsets->data_ptr<S>() : nullptr;
+    auto body = [&](int64_t begin, int64_t end) {
+      matmul_rows<F, S>(xp, m, k, cp, sp, offp, begin, end, n, op_out);
+    };
+    if (n <= grain) {
+      body(0, n);
+    } else {
+      at::parallel_for(0, n, grain, body);
+    }
+  };
+  if (scale_type == at::kFloat) {
+    run(float{});
+  } else {
+    run(c10::Half{});
+  }
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const at::Tensor& offsets) {
+  return quantized_matmul<Q4>(x, codes, scales, &offsets, "q4_matmul");
+}
+
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  return quantized_matmul<Q8>(x, codes, scales, nullptr, "q8_matmul");
+}
+
+// Which vector path this library was compiled with ("avx512", "avx2", "portable"),
+// for the start-up line.
+std::string quantized_matmul_isa() { return kIsa; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvchat, m) {
+  m.def("q4_matmul(Tensor x, Tensor codes, Tensor scales, Tensor offsets) -> Tensor");
+  m.def("q8_matmul(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("quantized_matmul_isa() -> str", quantized_matmul_isa);
+}
+
+TORCH_LIBRARY_IMPL(kvchat, CPU, m) {
+  m.impl("q4_matmul", q4_matmul);
+  m.impl("q8_matmul", q8_matmul);
+}
