@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvchat.model.loader import load_model
-from kvchat.model.quantized_linear import Int4Linear, Int8Linear, quantize_int4_rtn
+from kvchat.model.quantized_linear import Int4Linear, Int8Linear, Q4Linear, quantize_int4_rtn
 from tests.parity_helpers import kvchat_logits, rel_err
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -21,17 +21,16 @@ def test_int4_path_matches_the_dequantized_path(tmp_path, qtype):
     path = write_tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype)
     native = load_model(str(path), dtype="float32", device="cpu")
     dense = load_model(str(path), dtype="float32", device="cpu", weights="bf16")
-    assert isinstance(native.transformer.layers[0].qkv, Int4Linear)
+    # in float32 the 4-bit layers go to kvchat's kernel, which computes the GGUF's exact
+    # weights: within fp32 tolerance of the dequantized model in decode-sized chunks
+    assert isinstance(native.transformer.layers[0].qkv, Q4Linear)
     assert native.fingerprint != dense.fingerprint  # their KV pages must never be shared
     ids = ids_for(native)
     exact = kvchat_logits(dense, ids, paged=True)
-    # decode-sized chunks run the int4 kernel: in float32 it computes the GGUF's exact
-    # weights (its scales and offsets in float32, the Q8_0 head dense), within fp32 tolerance
     assert rel_err(kvchat_logits(native, ids, paged=True), exact) < 1e-4
     assert not isinstance(native.transformer.lm_head, Int8Linear)
     for linear in native.transformer._linears():
-        if isinstance(linear, Int4Linear):
-            assert linear.scale_zeros.dtype == torch.float32
+        if isinstance(linear, Q4Linear):
             assert linear.dense is None or linear.dense.dtype == torch.float32
     # in bf16 the int4 path is as close to the exact logits as dequantized bf16 is
     native16 = load_model(str(path), dtype="bfloat16", device="cpu")

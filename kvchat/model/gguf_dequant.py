@@ -11,8 +11,9 @@ model has ~4 million blocks.
 The arithmetic follows the order of ggml's reference `dequantize_row_*`
 (and the `gguf` package's numpy port) so results match them bit for bit.
 
-`unpack_q4` exposes the raw 4-bit codes with per-32 scales and offsets for
-the later path that keeps Q4 weights 4-bit (`torch._weight_int4pack_mm_for_cpu`).
+`unpack_q4` and `unpack_q8_0` expose the raw codes with their per-32 scales (and
+offsets) for the paths that keep a GGUF's 4- and 8-bit weights as they are
+(`quantized_linear.py`).
 """
 
 from __future__ import annotations
@@ -322,3 +323,24 @@ def unpack_q4(
         scales=scales.reshape(rows, groups),
         offsets=offsets.reshape(rows, groups),
     )
+
+
+@dataclass(frozen=True)
+class Int8Blocks:
+    """A Q8_0 weight as signed codes and a scale per 32 columns:
+    `weight[r, c] == codes[r, c] * scales[r, c // 32]` exactly (in float32)."""
+
+    codes: torch.Tensor  # [rows, cols] int8
+    scales: torch.Tensor  # [rows, cols // 32] float32 (each an f16 value)
+
+
+def unpack_q8_0(raw: np.ndarray | torch.Tensor, shape: Sequence[int]) -> Int8Blocks:
+    """Split a Q8_0 matrix of `shape` [rows, cols] into `Int8Blocks`."""
+    if len(shape) != 2:
+        raise ModelLoadError(f"unpack_q8_0 needs a 2-D weight, got shape {tuple(shape)}.")
+    rows, cols = shape
+    data = as_byte_tensor(raw)
+    n_blocks = _check_size(data, GGMLType.Q8_0, shape)
+    blocks = data.reshape(n_blocks, bytes_per_block(GGMLType.Q8_0))
+    codes = blocks[:, 2:].contiguous().view(torch.int8)
+    return Int8Blocks(codes=codes.reshape(rows, cols), scales=_f16(blocks, 0).reshape(rows, -1))

@@ -5,9 +5,12 @@ Q4_0, Q4_1 and Q4_K matrices become int4 groups of 32 without requantizing (see
 exactly as the dequantizing path does. A fused group (q/k/v, gate/up) is kept
 4-bit only when all its parts are 4-bit; otherwise it stays dense (correct, and
 mixed files such as Q4_K_M keep their higher-precision tensors as they are).
-A Q8_0 LM head (or tied embedding) is multiplied through the int8 kernel, except in
-float32, where every layer computes the file's exact weights: the 4-bit layers with the
-GGUF's scales and offsets in float32 (and a float32 dense copy for prefill), the head dense.
+A Q8_0 LM head (or tied embedding) is multiplied through the int8 kernel.
+
+In float32 (CPUs without native bf16), where torch's int kernels run a reference loop,
+the blocks go to kvchat's own kernel as they are (`Q4Linear`, `Q8Linear`): every layer
+computes the file's exact weights, the 4-bit ones with a float32 dense copy for
+prefill, the head from its Q8_0 blocks.
 """
 
 from __future__ import annotations
@@ -16,10 +19,16 @@ import torch
 
 from kvchat.model.config import ModelConfig
 from kvchat.model.gguf_convert import undo_llama_cpp_permute
-from kvchat.model.gguf_dequant import dequantize, unpack_q4
+from kvchat.model.gguf_dequant import dequantize, unpack_q4, unpack_q8_0
 from kvchat.model.gguf_file import GGMLType, GGUFFile
 from kvchat.model.linear import Linear
-from kvchat.model.quantized_linear import Int4Linear, Int8Linear, int4_supported
+from kvchat.model.quantized_linear import (
+    Int4Linear,
+    Int8Linear,
+    Q4Linear,
+    Q8Linear,
+    int4_supported,
+)
 
 FOUR_BIT = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K)
 
@@ -51,7 +60,10 @@ def quantized_linears(
             if any(info is None or info.ggml_type not in FOUR_BIT for info in infos):
                 continue
             rows = sum(info.shape[0] for info in infos)
-            if not int4_supported(torch.device("cpu"), infos[0].shape[1], rows):
+            # kvchat's float32 kernel takes any GGUF 4-bit matrix; torch's needs N % 16
+            if dtype != torch.float32 and not int4_supported(
+                torch.device("cpu"), infos[0].shape[1], rows
+            ):
                 continue
             blocks = []
             for (_, kind), info in zip(parts, infos, strict=True):
@@ -77,12 +89,18 @@ def quantized_linears(
                 dense_copy = (
                     torch.cat([dense[n] for n in names]) if len(names) > 1 else dense[names[0]]
                 )
-            out[prefix + target] = Int4Linear.fused(blocks, dtype, bias=bias, dense=dense_copy)
+            if dtype == torch.float32:
+                out[prefix + target] = Q4Linear.fused(blocks, bias=bias, dense=dense_copy)
+            else:
+                out[prefix + target] = Int4Linear.fused(blocks, dtype, bias=bias, dense=dense_copy)
     head = gguf.tensors.get("output.weight") or gguf.tensors.get("token_embd.weight")
-    # In float32 the head stays dense: the int8 kernel's one scale a row is not Q8_0's one
-    # scale a block of 32 (a 1.4% logit error on the default model), and a user who asks
-    # for float32 gets the file's weights computed exactly.
-    if head is not None and head.ggml_type == GGMLType.Q8_0 and dtype != torch.float32:
-        weight = dequantize(gguf.raw(head.name), head.ggml_type, head.shape)
-        out["lm_head"] = Int8Linear(weight, dtype)
+    if head is not None and head.ggml_type == GGMLType.Q8_0 and head.shape[1] % 32 == 0:
+        if dtype == torch.float32:
+            # Q8_0's scale a block of 32, exactly: the int8 kernel's one scale a row is
+            # a 1.4% logit error on the default model
+            blocks8 = unpack_q8_0(gguf.raw(head.name), head.shape)
+            out["lm_head"] = Q8Linear(blocks8.codes, blocks8.scales)
+        else:
+            weight = dequantize(gguf.raw(head.name), head.ggml_type, head.shape)
+            out["lm_head"] = Int8Linear(weight, dtype)
     return out

@@ -10,10 +10,16 @@ tinygemm dequantizes `w = (q - 8) * scale + zero`, GGUF `w = q * scale + offset`
 so `zero = offset + 8 * scale`; only the scales' rounding to the activation dtype
 differs from the dequantized weights.
 
+Both torch kernels are fast only with bf16 activations: with float32 ones (every CPU
+without native bf16) they run a reference loop. There `Q4Linear` and `Q8Linear` keep a
+GGUF's blocks as they are (4-bit codes with a scale and offset per 32, Q8_0's int8 with
+a scale per 32) and multiply them by kvchat's own kernel (`kvchat/native/
+quantized_matmul.cpp`), which computes the file's exact weights in float32.
+
 Large batches (prefill) are compute-bound, where the int kernels are slower than
-a dense bf16 matmul; a layer may keep a dense copy (`dense`) for batches of more
-than `DENSE_FROM_TOKENS` rows, trading memory for prefill speed (the README says
-how much).
+a dense matmul; a layer may keep a dense copy (`dense`) for batches of
+`dense_from_rows` rows or more, trading memory for prefill speed (the README says
+how much). Each kind's threshold is measured (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kvchat.model.linear import pack_weight, packable, packed_linear
+from kvchat.native import build as native_build
 
 GROUP_SIZE = 32
 INNER_K_TILES = 2
@@ -53,6 +60,7 @@ class _WeightOnlyLinear:
 
     __slots__ = ("bias", "dense", "dense_packed", "in_features", "out_features")
     _TENSORS: tuple[str, ...] = ()
+    dense_from_rows = DENSE_FROM_TOKENS
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -77,7 +85,7 @@ class _WeightOnlyLinear:
         rows = x.shape[0]
         if self.dense_packed is not None and rows >= PACKED_FROM_TOKENS:
             return packed_linear(x, self.dense_packed, self.bias)
-        if self.dense is not None and rows >= DENSE_FROM_TOKENS:
+        if self.dense is not None and rows >= self.dense_from_rows:
             return F.linear(x, self.dense, self.bias)
         y = self._matmul(x)
         return y if self.bias is None else y + self.bias
@@ -186,17 +194,123 @@ def quantize_int4_rtn(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return codes.reshape(n, k).to(torch.uint8), scales, lo
 
 
-_KINDS = {"int4": Int4Linear, "int8": Int8Linear}
+def compact_scales(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors as float16 when every value survives the conversion exactly (a GGUF's
+    legacy blocks store f16 scales), else as float32: half the bytes per group the
+    kernel streams, and never a rounding."""
+    floats = [t.float().contiguous() for t in tensors]
+    halves = [t.half() for t in floats]
+    if all(torch.equal(h.float(), f) for h, f in zip(halves, floats, strict=True)):
+        return tuple(halves)
+    return tuple(floats)
 
 
-def save_linears(path, linears: dict[str, Int4Linear | Int8Linear]) -> None:
+class _KernelLinear(_WeightOnlyLinear):
+    """A layer multiplied by kvchat's quantized kernel in float32. Until the kernels are
+    loaded (they compile once, in the background), and for prefill batches, the dense
+    copy serves; a layer built without one dequantizes its weight once for that."""
+
+    __slots__ = ()
+    # Rows from which the dense float32 copy beats the kernel, on AVX-512 and on AVX2
+    # alike (measured: docs/kernels.md).
+    dense_from_rows = 24
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if native_build.loaded() and x.device.type == "cpu":
+            return self._kernel(x.contiguous())
+        if self.dense is None:
+            self.dense = self.dequantized().to(x.dtype)
+        return F.linear(x, self.dense)
+
+
+class Q4Linear(_KernelLinear):
+    """W [N, K] as 4-bit codes with a scale and an offset per group of 32 columns
+    (`w = code * scale + offset`), in the kernel's layout: a group is 16 bytes, byte j
+    holding element j in its low nibble and element j + 16 in its high one."""
+
+    __slots__ = ("codes", "offsets", "scales")
+    _TENSORS = ("codes", "scales", "offsets")
+
+    def __init__(
+        self,
+        codes: torch.Tensor,  # [N, K] integers in 0..15
+        scales: torch.Tensor,  # [N, K / 32]
+        offsets: torch.Tensor,  # [N, K / 32]
+        *,
+        bias: torch.Tensor | None = None,
+        dense: torch.Tensor | None = None,
+    ):
+        n, k = codes.shape
+        halves = codes.to(torch.uint8).reshape(n, k // GROUP_SIZE, 2, GROUP_SIZE // 2)
+        self.codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+        self.scales, self.offsets = compact_scales(scales, offsets)
+        self._set_extras(bias, dense)
+        self._set_shape()
+
+    def _set_shape(self) -> None:
+        self.out_features = self.codes.shape[0]
+        self.in_features = self.codes.shape[1] * 2
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvchat.q4_matmul(x, self.codes, self.scales, self.offsets)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight this layer multiplies by (for tests and fallbacks)."""
+        n, k = self.out_features, self.in_features
+        groups = self.codes.reshape(n, k // GROUP_SIZE, 1, GROUP_SIZE // 2)
+        codes = torch.cat([groups & 0x0F, groups >> 4], dim=2).reshape(n, k // GROUP_SIZE, -1)
+        w = codes.float() * self.scales.float()[..., None] + self.offsets.float()[..., None]
+        return w.reshape(n, k)
+
+    @classmethod
+    def fused(cls, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], **kw) -> Q4Linear:
+        """Several projections of the same input stacked by rows into one weight."""
+        codes, scales, offsets = (torch.cat([p[i] for p in parts], dim=0) for i in range(3))
+        return cls(codes, scales, offsets, **kw)
+
+
+class Q8Linear(_KernelLinear):
+    """W [N, K] as int8 codes with a scale per group of 32 columns (GGUF's Q8_0), so a
+    Q8_0 LM head is computed exactly in float32 at a quarter of a dense head's bytes."""
+
+    __slots__ = ("codes", "scales")
+    _TENSORS = ("codes", "scales")
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, *, bias=None, dense=None):
+        self.codes = codes.to(torch.int8).contiguous().view(torch.uint8)  # the kernel's type
+        (self.scales,) = compact_scales(scales)
+        self._set_extras(bias, dense)
+        self._set_shape()
+
+    def _set_shape(self) -> None:
+        self.out_features, self.in_features = self.codes.shape
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.kvchat.q8_matmul(x, self.codes, self.scales)
+
+    def dequantized(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        codes = self.codes.view(torch.int8).float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+        return (codes * self.scales.float()[..., None]).reshape(n, k)
+
+
+_KINDS = {"int4": Int4Linear, "int8": Int8Linear, "q4": Q4Linear, "q8": Q8Linear}
+
+
+def save_linears(path, linears: dict[str, _WeightOnlyLinear]) -> None:
     """Cache prepared quantized layers (packing is slow; loading a file is not)."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
     for name, linear in linears.items():
-        kinds[name] = "int4" if isinstance(linear, Int4Linear) else "int8"
+        kinds[name] = next(kind for kind, cls in _KINDS.items() if type(linear) is cls)
         for key, t in linear.state().items():
             tensors[f"{name}::{key}"] = t.contiguous()
     partial = path.with_suffix(".partial")
@@ -206,7 +320,7 @@ def save_linears(path, linears: dict[str, Int4Linear | Int8Linear]) -> None:
     partial.replace(path)
 
 
-def load_linears(path) -> dict[str, Int4Linear | Int8Linear]:
+def load_linears(path) -> dict[str, _WeightOnlyLinear]:
     """Load `save_linears`' file. Every tensor is cloned into a fresh allocation: tensors
     read from a safetensors file may sit at unaligned addresses, and torch's int8 kernel
     crashes (SIGSEGV, seen with M >= 32) on an unaligned weight."""
