@@ -1,0 +1,129 @@
+"""kvchat's quantized kernels (`q4_matmul`, `q8_matmul`) against a float64 product of
+the weights the GGUF dequantizer reads from the same random blocks: every format, odd
+shapes, every row count path (fused decode rows, the buffered tiles, a ragged tail)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvchat.model.gguf_dequant import dequantize, unpack_q4, unpack_q8_0
+from kvchat.model.gguf_file import GGMLType
+from kvchat.model.quantized_linear import Q4Linear, Q8Linear
+from kvchat.native import build as native_build
+
+pytestmark = pytest.mark.usefixtures("kernel")
+
+BLOCK = {GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20), GGMLType.Q4_K: (256, 144)}
+ROW_COUNTS = [1, 2, 3, 5, 8, 17, 64, 130]
+
+
+@pytest.fixture
+def kernel(native_kernels) -> None:
+    if native_build._compiler() is None or native_build.disabled():
+        pytest.skip("no C++ compiler here (or the kernel is turned off)")
+    assert native_kernels, native_build.status().detail
+
+
+def _f16(rng: np.random.Generator, count: int, low: float, high: float) -> np.ndarray:
+    return rng.uniform(low, high, count).astype(np.float16).view(np.uint8).reshape(count, 2)
+
+
+def random_blocks(ggml_type: GGMLType, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Raw GGUF bytes of a [rows, cols] matrix: random codes, sub-scales and f16 scales
+    of a plausible size (both signs for the offsets)."""
+    rng = np.random.default_rng(seed)
+    if ggml_type == GGMLType.Q8_0:
+        count = rows * cols // 32
+        codes = rng.integers(-128, 128, (count, 32), dtype=np.int8).view(np.uint8)
+        return np.concatenate([_f16(rng, count, -0.02, 0.02), codes], axis=1).reshape(-1)
+    per_block, nbytes = BLOCK[ggml_type]
+    count = rows * cols // per_block
+    parts = [_f16(rng, count, 0.001, 0.03)]
+    if ggml_type == GGMLType.Q4_1:
+        parts.append(_f16(rng, count, -0.2, 0.2))
+    if ggml_type == GGMLType.Q4_K:
+        parts.append(_f16(rng, count, 0.0, 0.01))
+    used = sum(p.shape[1] for p in parts)
+    parts.append(rng.integers(0, 256, (count, nbytes - used), dtype=np.uint8))
+    return np.concatenate(parts, axis=1).reshape(-1)
+
+
+def close_to_exact(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """Equal to the float64 product up to float32 summation order: the error bound
+    scales with the sum of the terms' magnitudes."""
+    exact = x.double() @ w.double().t()
+    bound = 2e-6 * (x.double().abs() @ w.double().abs().t()) + 1e-6
+    worst = ((y.double() - exact).abs() / bound).max().item()
+    assert worst <= 1.0, f"error {worst:.2f}x the float32 bound"
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K])
+@pytest.mark.parametrize("out_features", [1, 7, 33, 97])
+def test_q4_kernel_computes_the_dequantized_weights(ggml_type, out_features):
+    in_features = 512 if ggml_type == GGMLType.Q4_K else 96
+    raw = random_blocks(ggml_type, out_features, in_features, seed=out_features)
+    shape = (out_features, in_features)
+    weight = dequantize(raw, ggml_type, shape).float()
+    blocks = unpack_q4(raw, ggml_type, shape)
+    layer = Q4Linear(blocks.codes, blocks.scales, blocks.offsets)
+    assert torch.equal(layer.dequantized(), weight)
+    g = torch.Generator().manual_seed(1)
+    for rows in ROW_COUNTS:
+        x = torch.randn(rows, in_features, generator=g)
+        close_to_exact(layer(x), x, weight)
+        # float32 scales (a file's values that float16 cannot hold) take the same path
+        y = torch.ops.kvchat.q4_matmul(x, layer.codes, layer.scales.float(), layer.offsets.float())
+        close_to_exact(y, x, weight)
+
+
+@pytest.mark.parametrize("out_features", [1, 5, 64, 131])
+def test_q8_kernel_computes_the_dequantized_weights(out_features):
+    in_features = 160
+    raw = random_blocks(GGMLType.Q8_0, out_features, in_features, seed=out_features)
+    shape = (out_features, in_features)
+    weight = dequantize(raw, GGMLType.Q8_0, shape).float()
+    blocks = unpack_q8_0(raw, shape)
+    layer = Q8Linear(blocks.codes, blocks.scales)
+    assert layer.scales.dtype == torch.float16  # a GGUF's scales are f16: kept as they are
+    assert torch.equal(layer.dequantized(), weight)
+    g = torch.Generator().manual_seed(2)
+    for rows in ROW_COUNTS:
+        x = torch.randn(rows, in_features, generator=g)
+        close_to_exact(layer(x), x, weight)
+
+
+def test_bf16_activations_give_the_product_of_their_float32_values():
+    raw = random_blocks(GGMLType.Q4_1, 48, 128, seed=3)
+    blocks = unpack_q4(raw, GGMLType.Q4_1, (48, 128))
+    layer = Q4Linear(blocks.codes, blocks.scales, blocks.offsets)
+    x = torch.randn(3, 128).bfloat16()
+    y = torch.ops.kvchat.q4_matmul(x, layer.codes, layer.scales, layer.offsets)
+    assert y.dtype == torch.bfloat16
+    expected = torch.ops.kvchat.q4_matmul(x.float(), layer.codes, layer.scales, layer.offsets)
+    assert torch.equal(y, expected.bfloat16())
+
+
+def test_misshapen_arguments_are_refused_with_the_reason():
+    raw = random_blocks(GGMLType.Q4_0, 16, 64, seed=4)
+    blocks = unpack_q4(raw, GGMLType.Q4_0, (16, 64))
+    layer = Q4Linear(blocks.codes, blocks.scales, blocks.offsets)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.kvchat.q4_matmul(torch.randn(1, 48), layer.codes, layer.scales, layer.offsets)
+    with pytest.raises(RuntimeError, match="codes"):
+        torch.ops.kvchat.q4_matmul(torch.randn(1, 96), layer.codes, layer.scales, layer.offsets)
+    with pytest.raises(RuntimeError, match="offsets"):
+        torch.ops.kvchat.q4_matmul(
+            torch.randn(1, 64), layer.codes, layer.scales, layer.offsets.float()
+        )
+
+
+def test_the_kernel_reports_its_vector_path():
+    isa = torch.ops.kvchat.quantized_matmul_isa()
+    flags = native_build.cpu_flags()
+    expected = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "portable"
+    if native_build.target_arch() != "native":
+        assert isa in ("avx2", "portable")
+    else:
+        assert isa == expected
