@@ -17,21 +17,24 @@ def ids_for(model, n: int = 60) -> list[int]:
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
-def test_int4_path_matches_the_dequantized_path(tmp_path, qtype):
+def test_int4_path_matches_the_dequantized_path(tmp_path, qtype, native_kernels):
     path = write_tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype)
     native = load_model(str(path), dtype="float32", device="cpu")
     dense = load_model(str(path), dtype="float32", device="cpu", weights="bf16")
     # in float32 the 4-bit layers go to kvchat's kernel, which computes the GGUF's exact
     # weights: within fp32 tolerance of the dequantized model in decode-sized chunks
     assert isinstance(native.transformer.layers[0].qkv, Q4Linear)
+    # and they stay 4-bit in memory: the kernel takes prefill batches too
+    assert all(
+        linear.dense is None
+        for linear in native.transformer._linears()
+        if isinstance(linear, Q4Linear)
+    )
     assert native.fingerprint != dense.fingerprint  # their KV pages must never be shared
     ids = ids_for(native)
     exact = kvchat_logits(dense, ids, paged=True)
     assert rel_err(kvchat_logits(native, ids, paged=True), exact) < 1e-4
     assert not isinstance(native.transformer.lm_head, Int8Linear)
-    for linear in native.transformer._linears():
-        if isinstance(linear, Q4Linear):
-            assert linear.dense is None or linear.dense.dtype == torch.float32
     # in bf16 the int4 path is as close to the exact logits as dequantized bf16 is
     native16 = load_model(str(path), dtype="bfloat16", device="cpu")
     dense16 = load_model(str(path), dtype="bfloat16", device="cpu", weights="bf16")
@@ -66,7 +69,9 @@ def test_quantize_option_for_hugging_face_folders(tmp_path):
     dense = load_model(str(folder), dtype="float32", device="cpu")
     ids = ids_for(dense)
     exact = kvchat_logits(dense, ids, paged=True)
-    for mode, bound in (("int8", 2e-2), ("int4", 2e-1)):
+    # round-to-nearest int4 of random 64-wide weights costs about 0.2 of the logits'
+    # norm at every row count (its kernels' exactness is tested in test_quantized_matmul)
+    for mode, bound in (("int8", 2e-2), ("int4", 3e-1)):
         q = load_model(str(folder), dtype="float32", device="cpu", quantize=mode)
         assert q.fingerprint.endswith(mode)
         assert rel_err(kvchat_logits(q, ids, paged=True), exact) < bound

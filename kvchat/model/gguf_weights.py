@@ -9,8 +9,8 @@ A Q8_0 LM head (or tied embedding) is multiplied through the int8 kernel.
 
 In float32 (CPUs without native bf16), where torch's int kernels run a reference loop,
 the blocks go to kvchat's own kernel as they are (`Q4Linear`, `Q8Linear`): every layer
-computes the file's exact weights, the 4-bit ones with a float32 dense copy for
-prefill, the head from its Q8_0 blocks.
+computes the file's exact weights at every row count (prefill included) and the
+weights stay 4-bit in memory, the head 8-bit from its Q8_0 blocks.
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ def quantized_linears(
                 dense_copy = (
                     torch.cat([dense[n] for n in names]) if len(names) > 1 else dense[names[0]]
                 )
-            if dtype == torch.float32:
-                out[prefix + target] = Q4Linear.fused(blocks, bias=bias, dense=dense_copy)
+            if dtype == torch.float32:  # the kernel takes prefill too: no dense copy
+                out[prefix + target] = Q4Linear.fused(blocks, bias=bias)
             else:
                 out[prefix + target] = Int4Linear.fused(blocks, dtype, bias=bias, dense=dense_copy)
     head = gguf.tensors.get("output.weight") or gguf.tensors.get("token_embd.weight")

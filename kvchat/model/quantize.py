@@ -49,7 +49,7 @@ def quantize_weights(
             elif dtype == torch.float32 and device.type == "cpu" and weight.shape[1] % 32 == 0:
                 # kvchat's kernel: torch's int4 kernel runs a reference loop in float32
                 codes, scales, offsets = quantize_int4_rtn(weight)
-                out[prefix + target] = Q4Linear(codes, scales, offsets, bias=bias, dense=weight)
+                out[prefix + target] = Q4Linear(codes, scales, offsets, bias=bias)
             elif int4_supported(device, weight.shape[1], weight.shape[0]):
                 codes, scales, offsets = quantize_int4_rtn(weight)
                 out[prefix + target] = Int4Linear(

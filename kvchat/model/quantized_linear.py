@@ -206,14 +206,13 @@ def compact_scales(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 class _KernelLinear(_WeightOnlyLinear):
-    """A layer multiplied by kvchat's quantized kernel in float32. Until the kernels are
-    loaded (they compile once, in the background), and for prefill batches, the dense
-    copy serves; a layer built without one dequantizes its weight once for that."""
+    """A layer multiplied by kvchat's quantized kernel in float32, at every row count: the
+    kernel itself takes prefill batches through tiles of dequantized rows, so the weight
+    stays 4-bit in memory. Only until the kernels are loaded (they compile once per
+    machine, in the background) does a dequantized copy serve; it is dropped as soon as
+    they are."""
 
     __slots__ = ()
-    # Rows from which the dense float32 copy beats the kernel, on AVX-512 and on AVX2
-    # alike (measured: docs/kernels.md).
-    dense_from_rows = 24
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -221,12 +220,18 @@ class _KernelLinear(_WeightOnlyLinear):
     def dequantized(self) -> torch.Tensor:
         raise NotImplementedError
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if native_build.loaded() and x.device.type == "cpu":
-            return self._kernel(x.contiguous())
-        if self.dense is None:
-            self.dense = self.dequantized().to(x.dtype)
-        return F.linear(x, self.dense)
+            self.dense = None
+            y = self._kernel(x.contiguous())
+        else:
+            if self.dense is None or self.dense.dtype != x.dtype:
+                self.dense = self.dequantized().to(x.dtype)
+            y = F.linear(x, self.dense)
+        return y if self.bias is None else y + self.bias
+
+    def packed_from_rows(self) -> int | None:
+        return None
 
 
 class Q4Linear(_KernelLinear):

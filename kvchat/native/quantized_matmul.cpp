@@ -12,8 +12,9 @@
 // element j + 16 in its high one (GGUF's Q4_0/Q4_1 order); an 8-bit group is 32 signed
 // bytes. Each group has a scale (and a 4-bit one an offset) in float32 or float16; the
 // half ones are converted a row at a time. Decode (one or two rows) streams each weight
-// row once through the fused loop; more rows dequantize a weight row once into a buffer
-// that stays in L1 and take the activation rows four at a time.
+// row once through the fused loop; a few more rows dequantize a weight row once into a
+// buffer that stays in L1 and take the activation rows four at a time; prefill batches
+// dequantize a tile of weight rows and hand it to torch's matrix product.
 //
 // Vectorized with AVX-512 or AVX2 + FMA intrinsics where the compiler targets them; a
 // plain C++ path (loops the compiler vectorizes for whatever it targets) elsewhere.
@@ -23,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -45,6 +47,10 @@ constexpr int64_t kGroup = 32;            // weights sharing one scale (and offs
 constexpr int64_t kSerialMacs = 1 << 17;  // multiply-adds below which one thread does a call
 constexpr int64_t kFusedRows = 2;         // up to this many rows: one fused pass per weight row
 constexpr int64_t kRowTile = 4;           // activation rows a buffered pass serves at once
+// From this many rows a call dequantizes tiles of about kTileBytes and multiplies them by
+// torch's matrix product (measured crossover: docs/kernels.md).
+constexpr int64_t kTileFromRows = 24;
+constexpr int64_t kTileBytes = 1 << 21;
 // How far ahead of the group being unpacked the code stream is prefetched: the
 // hardware prefetcher alone leaves decode at half the memory bandwidth, since a weight
 // row is only a few hundred bytes (measured: docs/kernels.md).
@@ -299,6 +305,29 @@ void fused_pass(const uint8_t* codes, const float* s, const float* o, int64_t gr
   }
 }
 
+// Weight rows [begin, end) as float32, written row after row to `dst`; `scratch`
+// holds 2 * K / 32 floats (a row's scales and offsets converted from half).
+template <typename F, typename S>
+void dequantize_rows(const uint8_t* codes, const S* scales, const S* offsets, int64_t k,
+                     int64_t begin, int64_t end, float* dst, float* scratch) {
+  const int64_t groups = k / kGroup;
+  float* scale_row = scratch;
+  float* offset_row = scratch + groups;
+  for (int64_t row = begin; row < end; ++row) {
+    const uint8_t* c = codes + row * groups * F::kBytes;
+    const float* s = as_floats(scales + row * groups, groups, scale_row);
+    const float* o =
+        F::kOffset ? as_floats(offsets + row * groups, groups, offset_row) : nullptr;
+    float* w = dst + (row - begin) * k;
+    for (int64_t g = 0; g < groups; ++g) {
+      Vec v[kPerGroup];
+      PREFETCH(c + g * F::kBytes + kPrefetchBytes);
+      dequantize_group<F>(c + g * F::kBytes, s[g], F::kOffset ? o[g] : 0.f, v);
+      for (int i = 0; i < kPerGroup; ++i) vstore(w + g * kGroup + i * kLanes, v[i]);
+    }
+  }
+}
+
 // out[m, n] = sum_k x[m, k] * w[n, k] for weight rows [begin, end).
 template <typename F, typename S>
 void matmul_rows(const float* x, int64_t m, int64_t k, const uint8_t* codes, const S* scales,
@@ -323,25 +352,40 @@ void matmul_rows(const float* x, int64_t m, int64_t k, const uint8_t* codes, con
     }
     return;
   }
-  std::vector<float> scale_row(groups), offset_row(groups), weight_row(k);
+  std::vector<float> weight_row(k), scratch(2 * groups);
   float dots[kRowTile];
   for (int64_t row = begin; row < end; ++row) {
-    const uint8_t* c = codes + row * groups * F::kBytes;
-    const float* s = as_floats(scales + row * groups, groups, scale_row.data());
-    const float* o = F::kOffset ? as_floats(offsets + row * groups, groups, offset_row.data())
-                                : nullptr;
     float* w = weight_row.data();
-    for (int64_t g = 0; g < groups; ++g) {
-      Vec v[kPerGroup];
-      PREFETCH(c + g * F::kBytes + kPrefetchBytes);
-      dequantize_group<F>(c + g * F::kBytes, s[g], F::kOffset ? o[g] : 0.f, v);
-      for (int i = 0; i < kPerGroup; ++i) vstore(w + g * kGroup + i * kLanes, v[i]);
-    }
+    dequantize_rows<F, S>(codes, scales, offsets, k, row, row + 1, w, scratch.data());
     for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
       const int64_t rows = std::min<int64_t>(kRowTile, m - r0);
       buffered_tile<kRowTile>(w, x + r0 * k, k, rows, dots);
       for (int64_t r = 0; r < rows; ++r) out[(r0 + r) * n + row] = dots[r];
     }
+  }
+}
+
+// Prefill-sized batches are compute-bound: a tile of weight rows is dequantized into a
+// float32 buffer (in parallel) and multiplied by torch's matrix product, whose blocking
+// the row-at-a-time loop above cannot match. Only one tile is ever dequantized, so the
+// weights stay 4-bit in memory.
+template <typename F, typename S>
+void tiled_matmul(const at::Tensor& x, const uint8_t* codes, const S* scales, const S* offsets,
+                  at::Tensor& out) {
+  const int64_t k = x.size(1), n = out.size(1);
+  const int64_t fit = kTileBytes / (k * static_cast<int64_t>(sizeof(float)));
+  const int64_t tile = std::min<int64_t>(n, std::max<int64_t>(16, fit / 16 * 16));
+  at::Tensor buffer = at::empty({tile, k}, x.options());
+  float* w = buffer.data_ptr<float>();
+  for (int64_t n0 = 0; n0 < n; n0 += tile) {
+    const int64_t rows = std::min<int64_t>(tile, n - n0);
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(2 * (k / kGroup));
+      dequantize_rows<F, S>(codes, scales, offsets, k, n0 + begin, n0 + end, w + begin * k,
+                            scratch.data());
+    });
+    at::Tensor part = out.narrow(1, n0, rows);
+    at::mm_out(part, x, buffer.narrow(0, 0, rows).t());
   }
 }
 
@@ -381,7 +425,9 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
     auto body = [&](int64_t begin, int64_t end) {
       matmul_rows<F, S>(xp, m, k, cp, sp, offp, begin, end, n, op_out);
     };
-    if (n <= grain) {
+    if (m >= kTileFromRows) {
+      tiled_matmul<F, S>(xf, cp, sp, offp, out);
+    } else if (n <= grain) {
       body(0, n);
     } else {
       at::parallel_for(0, n, grain, body);
