@@ -157,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv  # `kvchat bench` records the command line it ran
     command = args.command
+    from kvchat.chat.error_log import configure_error_log
+
+    configure_error_log()  # every command's unexpected errors are kept, not just the TUI's
     refused = _refuse_embedded_flags(args)
     if refused:
         print(f"kvchat: {refused}", file=sys.stderr)

@@ -84,3 +84,43 @@ def test_cli_reports_a_prompt_longer_than_the_context(tmp_path, tiny_llama_dir):
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     assert "context" in done.stderr
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="needs a torch that cannot use CUDA"
+)
+def test_a_gpu_torch_cannot_use_is_refused_in_one_line_before_any_conversion(
+    tmp_path, tiny_llama_dir
+):
+    done = run_cli(
+        "ask", "--model", str(tiny_llama_dir), "--device", "cuda", "hi", env_home=tmp_path
+    )
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "--device cuda:" in done.stderr and "Leave --device out" in done.stderr
+    assert not (tmp_path / "cache" / "models").exists() or not any(
+        (tmp_path / "cache" / "models").rglob("*.safetensors")
+    )
+    other = run_cli(
+        "ask", "--model", str(tiny_llama_dir), "--device", "mps", "hi", env_home=tmp_path
+    )
+    assert other.returncode == 2 and "must be cpu or cuda" in other.stderr
+
+
+def test_every_command_keeps_unexpected_errors_in_the_log(tmp_path, monkeypatch):
+    """The error log the message points at exists whatever the command (not only the TUI)."""
+    import kvchat.cli as cli
+    from kvchat.paths import app_paths
+
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))
+
+    def broken(_args):
+        raise ValueError("a bug")
+
+    monkeypatch.setattr("kvchat.ask.run_ask", broken)
+    assert cli.main(["ask", "hi"]) == 1
+    import logging
+
+    for handler in logging.getLogger("kvchat").handlers:
+        handler.flush()
+    assert "ValueError: a bug" in app_paths().error_log.read_text()

@@ -18,11 +18,15 @@ _HANDLER_NAME = "kvchat-error-log"
 
 
 def configure_error_log(path: Path | None = None, level: int = logging.WARNING) -> Path:
-    """Attach the rotating file handler (once); returns the log file's path."""
+    """Attach the rotating file handler (once per path: a process that moves its kvchat
+    folder, as tests do, logs to the new one); returns the log file's path."""
     path = path or app_paths().error_log
-    for handler in _LOGGER.handlers:
+    for handler in list(_LOGGER.handlers):
         if handler.get_name() == _HANDLER_NAME:
-            return path
+            if Path(handler.baseFilename) == path.absolute():
+                return path
+            _LOGGER.removeHandler(handler)
+            handler.close()
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.handlers.RotatingFileHandler(
         path, maxBytes=1_000_000, backupCount=3, encoding="utf-8", delay=True

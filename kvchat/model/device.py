@@ -23,9 +23,29 @@ def parse_device(name: str | None) -> torch.device:
     if name is None:
         return default_device()
     try:
-        return torch.device(name)
+        device = torch.device(name)
     except RuntimeError:
-        raise UsageError(f"--device must be cpu or cuda (or cuda:N), not {name!r}.") from None
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda (or cuda:N), not {name!r}.")
+    if device.type == "cuda":  # refused here, before a model is converted for it
+        if not torch.cuda.is_available():
+            built = (
+                "this torch is a CPU-only build"
+                if torch.version.cuda is None
+                else ("torch sees no NVIDIA GPU")
+            )
+            raise UsageError(
+                f"--device {name}: {built}. Leave --device out to run on the CPU, or install "
+                "a CUDA build of torch on a machine with an NVIDIA GPU."
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise UsageError(
+                f"--device {name}: there is no GPU {device.index}; this machine has {count} "
+                f"(cuda:0 to cuda:{count - 1})."
+            )
+    return device
 
 
 def bf16_is_native(device: torch.device) -> bool:
