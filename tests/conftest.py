@@ -7,7 +7,9 @@ so only the first run pays for it.
 The user's own kvchat folders are never touched: `KVCHAT_HOME` points at a
 temporary home from the moment this file is imported (module-scoped fixtures run
 before the per-test home, and subprocesses inherit the variable), and
-`user_folders_untouched` fails the run if the real folders changed anyway.
+`user_folders_untouched` fails the run if the real folders changed anyway. The
+servers cache the remote tests build into (kvchat/testing/servers_dir.py) is a build
+cache shared on purpose, like the test cache, and is not one of those folders.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import platformdirs
 import pytest
 
 from tests.servers import llama_server, vllm_server  # noqa: F401  (fixtures, started once a run)
-from tests.shared_cache import TEST_CACHE
+from tests.shared_cache import NATIVE_CACHE, TEST_CACHE
 from tests.tmux_helpers import terminals  # noqa: F401  (the fixture of the tmux tests)
 
 # torch.compile's kernels (the FlexAttention tests') are reused from one run to the next
@@ -44,13 +46,21 @@ def _session_home() -> Path:
     """A temporary kvchat home for everything outside a test's own (module fixtures)."""
     home = Path(tempfile.mkdtemp(prefix="kvchat-test-home-"))
     atexit.register(shutil.rmtree, home, ignore_errors=True)
-    (home / "cache").mkdir()
-    (TEST_CACHE / "models").mkdir(parents=True, exist_ok=True)
-    (home / "cache" / "models").symlink_to(TEST_CACHE / "models")
+    share_test_caches(home)
     return home
 
 
+def share_test_caches(home: Path) -> None:
+    """`home`'s model cache is the run's shared one (a link)."""
+    (home / "cache").mkdir()
+    (TEST_CACHE / "models").mkdir(parents=True, exist_ok=True)
+    (home / "cache" / "models").symlink_to(TEST_CACHE / "models")
+
+
 os.environ["KVCHAT_HOME"] = str(_session_home())
+# Every kvchat of the run, in this process or one a test starts, keeps its kernels in
+# the shared test cache: built once (`native_kernels`), never by a test's own kvchat.
+os.environ["KVCHAT_KERNEL_CACHE"] = str(NATIVE_CACHE)
 
 
 def folder_state(folder: Path) -> dict[str, tuple[int, int]] | None:
@@ -89,12 +99,11 @@ def user_folders_untouched():
 
 @pytest.fixture(autouse=True)
 def kvchat_home(tmp_path_factory, monkeypatch) -> Path:
-    """Each test gets its own data/config/log folders; the model cache is shared."""
+    """Each test gets its own data/config/log folders; the model and kernel caches are
+    the run's shared ones."""
     home = tmp_path_factory.mktemp("kvchat-home")
     monkeypatch.setenv("KVCHAT_HOME", str(home))
-    (home / "cache").mkdir()
-    (TEST_CACHE / "models").mkdir(parents=True, exist_ok=True)
-    (home / "cache" / "models").symlink_to(TEST_CACHE / "models")
+    share_test_caches(home)
     return home
 
 
@@ -105,7 +114,7 @@ def native_kernels() -> bool:
     from kvchat.native import build as native_build
 
     old = os.environ.get("KVCHAT_HOME")
-    os.environ["KVCHAT_HOME"] = str(TEST_CACHE.parent / "kvchat-test-native")
+    os.environ["KVCHAT_HOME"] = str(NATIVE_CACHE.parent.parent)
     try:
         native_build.request(wait=True)
     finally:

@@ -9,3 +9,6 @@ import os
 from pathlib import Path
 
 TEST_CACHE = Path(os.environ.get("KVCHAT_TEST_CACHE", Path.home() / ".cache" / "kvchat-test"))
+# The kernels the session builds once (conftest's `native_kernels`), where every kvchat
+# of a run keeps them (`KVCHAT_KERNEL_CACHE`).
+NATIVE_CACHE = TEST_CACHE.parent / "kvchat-test-native" / "cache" / "native"

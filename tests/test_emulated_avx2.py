@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from kvchat.native import build as native_build
-from tests.shared_cache import TEST_CACHE
 
 ROOT = Path(__file__).resolve().parents[1]
 EMULATED_AVX2 = {
@@ -39,10 +38,7 @@ pytestmark = [
 
 @pytest.fixture
 def emulated_env(kvchat_home) -> dict[str, str]:
-    """The test's own kvchat folder, its kernel cache shared across runs."""
-    shared = TEST_CACHE.parent / "kvchat-test-native" / "cache" / "native"
-    shared.mkdir(parents=True, exist_ok=True)
-    (kvchat_home / "cache" / "native").symlink_to(shared)
+    """The test's own kvchat folder (its kernel cache is the run's shared one)."""
     env = {**os.environ, **EMULATED_AVX2, "PYTHONPATH": str(ROOT)}
     env.pop("KVCHAT_NATIVE_KERNELS", None)
     return env

@@ -55,6 +55,12 @@ def compiles(wrapper: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
+@pytest.fixture(autouse=True)
+def fresh_kernel_cache(monkeypatch) -> None:
+    """This test's own kernel cache (its kvchat folder's), not the run's shared one."""
+    monkeypatch.delenv(native_build.CACHE_ENV, raising=False)
+
+
 def native_folder(kvchat_home: Path) -> Path:
     return kvchat_home / "cache" / "native"
 

@@ -29,8 +29,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.shared_cache import TEST_CACHE
-
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,10 +43,7 @@ MODEL_FLAGS = [
 def kill_home(tmp_path, native_kernels) -> Path:
     """A data folder shared by every kill; the kernels already built (no compile to kill)."""
     home = tmp_path / "home"
-    (home / "cache").mkdir(parents=True)
-    native = TEST_CACHE.parent / "kvchat-test-native" / "cache" / "native"
-    if native.exists():
-        (home / "cache" / "native").symlink_to(native)
+    (home / "cache").mkdir(parents=True)  # the kernels: the run's shared build
     return home
 
 

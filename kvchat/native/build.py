@@ -21,7 +21,9 @@ later, or at once after the compiler, torch or kvchat changes.
 
 `KVCHAT_NATIVE_KERNELS=0` turns them off. `KVCHAT_KERNEL_ARCH` names the `-march`
 target (default `native`; `x86-64-v3` builds what an AVX2 laptop would run, for tests
-and the bench on a bigger CPU).
+and the bench on a bigger CPU). `KVCHAT_KERNEL_CACHE` names the folder the builds are
+kept in (default: `native/` in kvchat's cache folder), so that several kvchat folders
+(a test run's, CI's) can share one build.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ HEADERS = (Path(__file__).parent / "element_types.h",)  # included by the source
 LIBRARY_NAME = "kvchat_kernels.so"
 DISABLE_ENV = "KVCHAT_NATIVE_KERNELS"
 ARCH_ENV = "KVCHAT_KERNEL_ARCH"
+CACHE_ENV = "KVCHAT_KERNEL_CACHE"
 RETRY_FAILED_AFTER_S = 3600.0
 POLL_S = 0.2
 
@@ -116,6 +119,12 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(names.split())
 
 
+def kernel_cache() -> Path:
+    """The folder the builds are kept in, one subfolder a build key."""
+    chosen = os.environ.get(CACHE_ENV, "").strip()
+    return Path(chosen).expanduser() if chosen else app_paths().cache_dir / "native"
+
+
 def target_arch() -> str:
     """The `-march` the kernels are compiled for: `KVCHAT_KERNEL_ARCH`, else native."""
     arch = os.environ.get(ARCH_ENV, "").strip() or "native"
@@ -168,7 +177,7 @@ def plan_build(compiler: str) -> BuildPlan:
     flags = " ".join([*compile_flags, *link_flags])
     for part in (sources, torch.__version__, version, flags, _cpu_signature()):
         key.update(part.encode())
-    target = app_paths().cache_dir / "native" / key.hexdigest()[:16] / LIBRARY_NAME
+    target = kernel_cache() / key.hexdigest()[:16] / LIBRARY_NAME
     extras = (("-lmvec",), ()) if sys.platform.startswith("linux") else ((),)
     return BuildPlan(
         str(target),
