@@ -16,7 +16,7 @@ from kvchat.native import build as native_build
 pytestmark = pytest.mark.usefixtures("kernel")
 
 BLOCK = {GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20), GGMLType.Q4_K: (256, 144)}
-ROW_COUNTS = [1, 2, 3, 5, 8, 17, 64, 130]
+ROW_COUNTS = [1, 2, 3, 4, 5, 8, 16, 17, 24, 64, 130]
 
 
 @pytest.fixture
@@ -92,6 +92,18 @@ def test_q8_kernel_computes_the_dequantized_weights(out_features):
     for rows in ROW_COUNTS:
         x = torch.randn(rows, in_features, generator=g)
         close_to_exact(layer(x), x, weight)
+
+
+@pytest.mark.parametrize("rows", [3, 16, 40])
+def test_long_rows_are_tiled_along_k_too(rows):
+    """K past one tile's columns (2048), with a ragged last tile: the partial products
+    accumulate into the same outputs."""
+    raw = random_blocks(GGMLType.Q4_0, 40, 4160, seed=rows)
+    weight = dequantize(raw, GGMLType.Q4_0, (40, 4160)).float()
+    blocks = unpack_q4(raw, GGMLType.Q4_0, (40, 4160))
+    layer = Q4Linear(blocks.codes, blocks.scales, blocks.offsets)
+    x = torch.randn(rows, 4160, generator=torch.Generator().manual_seed(rows))
+    close_to_exact(layer(x), x, weight)
 
 
 def test_bf16_activations_give_the_product_of_their_float32_values():

@@ -45,12 +45,17 @@ namespace {
 
 constexpr int64_t kGroup = 32;            // weights sharing one scale (and offset)
 constexpr int64_t kSerialMacs = 1 << 17;  // multiply-adds below which one thread does a call
-constexpr int64_t kFusedRows = 2;         // up to this many rows: one fused pass per weight row
+// Up to this many rows (a decode batch) go through the fused loop, two at a time: a
+// second pair reads the weight rows the first just brought into cache.
+constexpr int64_t kFusedRows = 4;
 constexpr int64_t kRowTile = 4;           // activation rows a buffered pass serves at once
 // From this many rows a call dequantizes tiles of about kTileBytes and multiplies them by
 // torch's matrix product (measured crossover: docs/kernels.md).
-constexpr int64_t kTileFromRows = 24;
 constexpr int64_t kTileBytes = 1 << 21;
+constexpr int64_t kTileColumns = 2048;
+// The row count from which the tiles are faster: sooner for long rows, whose buffered
+// weight row and activation rows no longer stay in L1 (measured: docs/kernels.md).
+inline int64_t tile_from_rows(int64_t k) { return k >= 4096 ? 16 : 24; }
 // How far ahead of the group being unpacked the code stream is prefetched: the
 // hardware prefetcher alone leaves decode at half the memory bandwidth, since a weight
 // row is only a few hundred bytes (measured: docs/kernels.md).
@@ -289,7 +294,7 @@ const float* as_floats(const S* p, int64_t n, float* scratch) {
 template <typename F, int W>
 void fused_pass(const uint8_t* codes, const float* s, const float* o, int64_t groups,
                 const float* x, int64_t m, int64_t k, int64_t row, int64_t n, float* out) {
-  float dots[W * kFusedRows];
+  float dots[W * 2];
   if (m == 1) {
     fused_rows<F, 1, W>(codes, s, o, groups, x, k, dots);
   } else {
@@ -305,21 +310,23 @@ void fused_pass(const uint8_t* codes, const float* s, const float* o, int64_t gr
   }
 }
 
-// Weight rows [begin, end) as float32, written row after row to `dst`; `scratch`
-// holds 2 * K / 32 floats (a row's scales and offsets converted from half).
+// Columns [g0 * 32, g1 * 32) of weight rows [begin, end) as float32, written row after
+// row to `dst` (g1 - g0 groups a row); `scratch` holds 2 * (g1 - g0) floats (the rows'
+// scales and offsets converted from half).
 template <typename F, typename S>
 void dequantize_rows(const uint8_t* codes, const S* scales, const S* offsets, int64_t k,
-                     int64_t begin, int64_t end, float* dst, float* scratch) {
-  const int64_t groups = k / kGroup;
+                     int64_t begin, int64_t end, int64_t g0, int64_t g1, float* dst,
+                     float* scratch) {
+  const int64_t groups = k / kGroup, width = (g1 - g0) * kGroup;
   float* scale_row = scratch;
-  float* offset_row = scratch + groups;
+  float* offset_row = scratch + (g1 - g0);
   for (int64_t row = begin; row < end; ++row) {
-    const uint8_t* c = codes + row * groups * F::kBytes;
-    const float* s = as_floats(scales + row * groups, groups, scale_row);
-    const float* o =
-        F::kOffset ? as_floats(offsets + row * groups, groups, offset_row) : nullptr;
-    float* w = dst + (row - begin) * k;
-    for (int64_t g = 0; g < groups; ++g) {
+    const int64_t first = row * groups + g0;
+    const uint8_t* c = codes + first * F::kBytes;
+    const float* s = as_floats(scales + first, g1 - g0, scale_row);
+    const float* o = F::kOffset ? as_floats(offsets + first, g1 - g0, offset_row) : nullptr;
+    float* w = dst + (row - begin) * width;
+    for (int64_t g = 0; g < g1 - g0; ++g) {
       Vec v[kPerGroup];
       PREFETCH(c + g * F::kBytes + kPrefetchBytes);
       dequantize_group<F>(c + g * F::kBytes, s[g], F::kOffset ? o[g] : 0.f, v);
@@ -343,10 +350,13 @@ void matmul_rows(const float* x, int64_t m, int64_t k, const uint8_t* codes, con
       const float* o = F::kOffset
                            ? as_floats(offsets + row * groups, take * groups, offset_rows.data())
                            : nullptr;
-      if (take == W) {
-        fused_pass<F, W>(c, s, o, groups, x, m, k, row, n, out);
-      } else {
-        fused_pass<F, 1>(c, s, o, groups, x, m, k, row, n, out);
+      for (int64_t r0 = 0; r0 < m; r0 += 2) {
+        const int64_t pair = std::min<int64_t>(2, m - r0);
+        if (take == W) {
+          fused_pass<F, W>(c, s, o, groups, x + r0 * k, pair, k, row, n, out + r0 * n);
+        } else {
+          fused_pass<F, 1>(c, s, o, groups, x + r0 * k, pair, k, row, n, out + r0 * n);
+        }
       }
       row += take;
     }
@@ -356,7 +366,8 @@ void matmul_rows(const float* x, int64_t m, int64_t k, const uint8_t* codes, con
   float dots[kRowTile];
   for (int64_t row = begin; row < end; ++row) {
     float* w = weight_row.data();
-    dequantize_rows<F, S>(codes, scales, offsets, k, row, row + 1, w, scratch.data());
+    dequantize_rows<F, S>(codes, scales, offsets, k, row, row + 1, 0, groups, w,
+                          scratch.data());
     for (int64_t r0 = 0; r0 < m; r0 += kRowTile) {
       const int64_t rows = std::min<int64_t>(kRowTile, m - r0);
       buffered_tile<kRowTile>(w, x + r0 * k, k, rows, dots);
@@ -365,27 +376,39 @@ void matmul_rows(const float* x, int64_t m, int64_t k, const uint8_t* codes, con
   }
 }
 
-// Prefill-sized batches are compute-bound: a tile of weight rows is dequantized into a
-// float32 buffer (in parallel) and multiplied by torch's matrix product, whose blocking
-// the row-at-a-time loop above cannot match. Only one tile is ever dequantized, so the
-// weights stay 4-bit in memory.
+// Prefill-sized batches are compute-bound: a tile of the weight (up to kTileColumns
+// columns of as many rows as fill kTileBytes) is dequantized into a float32 buffer, in
+// parallel, and multiplied by torch's matrix product, whose blocking the row-at-a-time
+// loop above cannot match; tiles along K accumulate into the same output columns. Only
+// one tile is ever dequantized, so the weights stay 4-bit in memory.
 template <typename F, typename S>
 void tiled_matmul(const at::Tensor& x, const uint8_t* codes, const S* scales, const S* offsets,
                   at::Tensor& out) {
   const int64_t k = x.size(1), n = out.size(1);
-  const int64_t fit = kTileBytes / (k * static_cast<int64_t>(sizeof(float)));
+  const int64_t width = std::min<int64_t>(k, kTileColumns);
+  const int64_t fit = kTileBytes / (width * static_cast<int64_t>(sizeof(float)));
   const int64_t tile = std::min<int64_t>(n, std::max<int64_t>(16, fit / 16 * 16));
-  at::Tensor buffer = at::empty({tile, k}, x.options());
+  at::Tensor buffer = at::empty({tile, width}, x.options());
   float* w = buffer.data_ptr<float>();
   for (int64_t n0 = 0; n0 < n; n0 += tile) {
     const int64_t rows = std::min<int64_t>(tile, n - n0);
-    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch(2 * (k / kGroup));
-      dequantize_rows<F, S>(codes, scales, offsets, k, n0 + begin, n0 + end, w + begin * k,
-                            scratch.data());
-    });
     at::Tensor part = out.narrow(1, n0, rows);
-    at::mm_out(part, x, buffer.narrow(0, 0, rows).t());
+    for (int64_t k0 = 0; k0 < k; k0 += width) {
+      const int64_t cols = std::min<int64_t>(width, k - k0);
+      const int64_t g0 = k0 / kGroup, g1 = g0 + cols / kGroup;
+      at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+        std::vector<float> scratch(2 * (g1 - g0));
+        dequantize_rows<F, S>(codes, scales, offsets, k, n0 + begin, n0 + end, g0, g1,
+                              w + begin * cols, scratch.data());
+      });
+      const at::Tensor weights = buffer.view(-1).narrow(0, 0, rows * cols).view({rows, cols});
+      const at::Tensor inputs = x.narrow(1, k0, cols);
+      if (k0 == 0) {
+        at::mm_out(part, inputs, weights.t());
+      } else {
+        part.addmm_(inputs, weights.t());
+      }
+    }
   }
 }
 
@@ -425,7 +448,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
     auto body = [&](int64_t begin, int64_t end) {
       matmul_rows<F, S>(xp, m, k, cp, sp, offp, begin, end, n, op_out);
     };
-    if (m >= kTileFromRows) {
+    if (m >= tile_from_rows(k)) {
       tiled_matmul<F, S>(xf, cp, sp, offp, out);
     } else if (n <= grain) {
       body(0, n);
