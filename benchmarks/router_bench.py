@@ -32,9 +32,9 @@ and clearly above round robin's. Written to `benchmarks/runs/router-DATE-CPU/`
     python benchmarks/router_bench.py --quick      # W1 at --quick sizes: checks the setup
 
 The router, `vllm-router` from PyPI (a Rust binary in the wheel), is installed once
-into its own venv under the git-ignored `.servers/`; llama-server is built by
-benchmarks/servers/build_llama_server.sh there (a git worktree reuses the main
-checkout's `.servers/`, as the tests do).
+into its own venv, `router-venv-VERSION/` in the servers cache outside the checkout
+(kvchat/testing/servers_dir.py), where benchmarks/servers/build_llama_server.sh
+builds llama-server, as for the tests.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvchat.testing.servers_dir import servers_dir as shared_servers_dir  # noqa: E402
+from kvchat.testing.servers_dir import servers_dir  # noqa: E402
 
 ROUTER_PACKAGE = "vllm-router==0.1.17"
 SESSION_HEADER = "X-Session-ID"  # kvchat's default; vllm-router's consistent_hash reads it
@@ -282,17 +282,15 @@ def replica_metrics(root: str) -> dict:
     return {"prompt_tokens": m.prefix_queries, "cached_tokens": m.prefix_hits}
 
 
-def servers_dir() -> Path:
-    """The checkout's `.servers/`, or (in a git worktree without a build) the main one's."""
-    return shared_servers_dir(ROOT)
+def router_venv() -> Path:
+    """The router's venv in the servers cache, named by its version."""
+    return servers_dir() / f"router-venv-{ROUTER_PACKAGE.split('==')[1]}"
 
 
-def llama_server_binary(servers: Path) -> Path:
-    """Built (or reused) by benchmarks/servers/build_llama_server.sh."""
+def llama_server_binary() -> Path:
+    """Built (or reused) in the servers cache by benchmarks/servers/build_llama_server.sh."""
     script = ROOT / "benchmarks" / "servers" / "build_llama_server.sh"
-    done = subprocess.run(
-        ["bash", str(script), str(servers / "llama-server")], capture_output=True, text=True
-    )
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"building llama-server failed: {done.stderr.strip()[-300:]}")
@@ -388,15 +386,14 @@ def main(argv: list[str] | None = None) -> int:
     now = dt.datetime.now(dt.UTC)
     out = args.out or ROOT / "benchmarks" / "runs" / f"router-{now:%Y-%m-%d-%H%M}-{cpu_slug(cpu)}"
     out.mkdir(parents=True, exist_ok=True)
-    servers = servers_dir()
-    llama = args.llama_server or llama_server_binary(servers)
+    llama = args.llama_server or llama_server_binary()
     if args.model is not None:
         gguf = args.model
     else:
         from kvchat.model.default_model import ensure_default_gguf
 
         gguf = ensure_default_gguf(progress=lambda line: print(line, flush=True))
-    router = router_binary(servers / "router-venv") if any(SETUPS[s][1] for s in setups) else None
+    router = router_binary(router_venv()) if any(SETUPS[s][1] for s in setups) else None
     report: dict = {
         "command": "python benchmarks/router_bench.py " + " ".join(sys.argv[1:] or []),
         "date": now.isoformat(timespec="seconds"),

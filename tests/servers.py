@@ -2,8 +2,11 @@
 
 llama-server is built from the llama.cpp sources vendored in the
 llama-cpp-python sdist and vLLM's CPU build installed into its own venv, both
-under the checkout's git-ignored `.servers/` (benchmarks/servers/ holds the
-scripts, which `.ci/run` also calls so their time is printed apart). A server
+in the servers cache outside the checkout (kvchat/testing/servers_dir.py;
+benchmarks/servers/ holds the scripts, which `.ci/run` also calls so their time
+is printed apart). The Hugging Face folder vLLM serves is written once into the
+test cache beside the default model (tests/shared_cache.py); the build logs and
+the servers' logs go to a temporary folder of the test run's own. A server
 listens on a free 127.0.0.1 port, is ready when its health/models endpoint
 answers, and is stopped by its PID. When the build or install itself is
 impossible the tests that need it are skipped with the reason printed.
@@ -12,12 +15,14 @@ impossible the tests that need it are skipped with the reason printed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -26,14 +31,17 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.testing.servers_dir import servers_dir
+from tests.shared_cache import TEST_CACHE
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "benchmarks" / "servers"
 SERVED_NAME = "smollm2"
 
 
-SERVERS = servers_dir(ROOT)
+@functools.cache
+def logs_dir() -> Path:
+    """This test run's folder for build and server logs (test runs share the cache)."""
+    return Path(tempfile.mkdtemp(prefix="kvchat-server-logs-"))
 
 
 class Unavailable(Exception):
@@ -47,8 +55,7 @@ def free_port() -> int:
 
 
 def _run_script(name: str, log_name: str, *args: str) -> Path:
-    SERVERS.mkdir(parents=True, exist_ok=True)
-    log = SERVERS / log_name
+    log = logs_dir() / log_name
     with log.open("w") as err:
         done = subprocess.run(
             ["bash", str(SCRIPTS / name), *args], stdout=subprocess.PIPE, stderr=err, text=True
@@ -61,15 +68,15 @@ def _run_script(name: str, log_name: str, *args: str) -> Path:
 
 
 def llama_server_binary() -> Path:
-    return _run_script("build_llama_server.sh", "llama-build.log", str(SERVERS / "llama-server"))
+    return _run_script("build_llama_server.sh", "llama-build.log")
 
 
 def vllm_python() -> Path:
-    return _run_script("install_vllm.sh", "vllm-install.log", str(SERVERS / "vllm-venv"))
+    return _run_script("install_vllm.sh", "vllm-install.log")
 
 
 def vllm_model_folder(gguf: Path) -> Path:
-    out = SERVERS / "models" / gguf.name.split(".")[0]
+    out = TEST_CACHE / "vllm-models" / gguf.name.split(".")[0]
     # in a child process: transformers' memory is not kept by the test run
     code = "import sys\nfrom kvchat.bench.peers.hf_folder import hf_folder_of\n"
     code += "hf_folder_of(*sys.argv[1:])"
@@ -172,7 +179,7 @@ def start_llama_server(
     if api_key:
         argv += ["--api-key", api_key]
     env = dict(os.environ, LD_LIBRARY_PATH=str(binary.parent))
-    log = SERVERS / f"llama-server-{port}.log"
+    log = logs_dir() / f"llama-server-{port}.log"
     server = Server("llama-server", port, _spawn(argv, env, log), log, api_key=api_key)
     server.argv, server.env = argv, env
     _wait_ready(server)
@@ -196,7 +203,7 @@ def start_vllm(gguf: Path, *, max_model_len: int = 8192) -> Server:
         VLLM_CPU_KVCACHE_SPACE="2",
         VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
     )
-    log = SERVERS / f"vllm-{port}.log"
+    log = logs_dir() / f"vllm-{port}.log"
     server = Server("vllm", port, _spawn(argv, env, log), log)
     server.argv, server.env = argv, env
     _wait_ready(server)

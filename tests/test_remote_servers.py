@@ -1,9 +1,10 @@
 """kvchat's sessions on real serving engines (llama-server, vLLM) on 127.0.0.1.
 
-The servers are built/installed once into the checkout's `.servers/` and started
-once per run (tests/servers.py); every test here talks to a real server, faults
-included (through tests/fault_proxy.py in front of one). Replies are short:
-the checks are about figures, streaming and failures, not text quality.
+The servers are built/installed once into the servers cache outside the checkout
+(kvchat/testing/servers_dir.py) and started once per run (tests/servers.py); every
+test here talks to a real server, faults included (through tests/fault_proxy.py in
+front of one). Replies are short: the checks are about figures, streaming and
+failures, not text quality.
 """
 
 from __future__ import annotations

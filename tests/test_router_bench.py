@@ -1,7 +1,7 @@
 """benchmarks/router_bench.py: its figures from a bench's JSON, and a real router's affinity.
 
 The figures are checked on a bench.json shaped as `kvchat bench` writes it. The
-router (vllm-router from PyPI, installed once under `.servers/`) is run for real in
+router (vllm-router from PyPI, installed once into the servers cache) is run for real in
 front of two llama-server replicas, each behind a recording proxy, to check what the
 benchmark relies on: kvchat's session header keeps every turn of a session on one
 replica, and its follow-ups are served from that replica's cache.
@@ -117,7 +117,7 @@ def test_everything_it_starts_listens_on_localhost() -> None:
 @pytest.fixture(scope="module")
 def router_binary() -> Path:
     try:
-        return router_bench.router_binary(router_bench.servers_dir() / "router-venv")
+        return router_bench.router_binary(router_bench.router_venv())
     except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"{router_bench.ROUTER_PACKAGE} cannot be installed here: {exc}")
 

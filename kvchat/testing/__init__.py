@@ -2,5 +2,6 @@
 
 `fake_engine` is a scripted engine and a character-level chat template that stand
 in for the model; `tui` drives the app over them with Textual's pilot; `servers_dir`
-finds the built serving engines the remote tests and the router benchmark share.
+names the servers cache, where the serving engines the remote tests, the benchmarks
+and CI share are built.
 """

@@ -1,40 +1,30 @@
-"""Where the built serving engines for tests and benchmarks live (`.servers/`, git-ignored).
+"""The servers cache: where the serving engines built for tests and benchmarks live.
 
-Building llama-server takes many minutes, so the git worktrees of one clone share
-the main checkout's build instead of each building its own: a checkout without a
-build reuses the main checkout's (never builds there). `KVCHAT_SERVERS_DIR` overrides.
+Building llama-server takes minutes and vLLM's venv takes gigabytes, so they are
+built once per user into one folder outside any checkout, shared by every clone,
+the tests, the benchmarks and CI, as pip's cache is: `KVCHAT_SERVERS_DIR`, else
+`$XDG_CACHE_HOME/kvchat-servers` (`~/.cache/kvchat-servers`). Each engine has a
+folder of its own named by what it was built from, so versions and machines sharing
+a home do not replace each other's: `llama-server-VERSION-KEY/` (KEY: a hash of the
+CPU features it was built for), `vllm-venv-VERSION/`, `router-venv-VERSION/`. It is
+not under kvchat's own cache folder (`kvchat.paths`), which holds the user's data
+and which the tests must never change.
+
+benchmarks/servers/build_llama_server.sh and install_vllm.sh compute the same folder
+in bash (they run without kvchat installed): keep the three in sync.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
-BUILT_MARK = "llama-server/bin"  # present once a build finished
+FOLDER_NAME = "kvchat-servers"
 
 
-def main_checkout_servers(root: Path) -> Path | None:
-    """`.servers/` of the clone's main checkout, when `root` is a git worktree of it."""
-    try:
-        common = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--path-format=absolute", "--git-common-dir"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    main = Path(common).parent / ".servers" if common else None
-    return main if main is not None and main.resolve() != (root / ".servers").resolve() else None
-
-
-def servers_dir(root: Path) -> Path:
-    """KVCHAT_SERVERS_DIR, else `root/.servers/`, else the main checkout's if only it is built."""
+def servers_dir() -> Path:
+    """KVCHAT_SERVERS_DIR, else `$XDG_CACHE_HOME/kvchat-servers` (`~/.cache/kvchat-servers`)."""
     if os.environ.get("KVCHAT_SERVERS_DIR"):
         return Path(os.environ["KVCHAT_SERVERS_DIR"])
-    own = root / ".servers"
-    shared = main_checkout_servers(root)
-    if not (own / BUILT_MARK).exists() and shared is not None and (shared / BUILT_MARK).exists():
-        return shared
-    return own
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / FOLDER_NAME
