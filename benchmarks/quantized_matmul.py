@@ -7,7 +7,7 @@ of repeated calls, after a warm-up. Run it natively and with an emulated AVX2 CP
 
     python benchmarks/quantized_matmul.py
     KVCHAT_KERNEL_ARCH=x86-64-v3 ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 \\
-        python benchmarks/quantized_matmul.py
+        MKL_ENABLE_INSTRUCTIONS=AVX2 python benchmarks/quantized_matmul.py
 
 Prints a markdown table (microseconds per call) and the CPU it ran on.
 """

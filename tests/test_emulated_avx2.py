@@ -1,6 +1,6 @@
 """The real default model on an AVX2-class CPU, emulated on whatever this one is: the
 kernels compiled for x86-64-v3, oneDNN capped at AVX2 (so it reports no native bf16
-and kvchat picks float32) and ATen's kernels at AVX2. Greedy text equals transformers'
+and kvchat picks float32), ATen's kernels and MKL's at AVX2. Greedy text equals transformers'
 under the same CPU in every `--weights` mode, and the start-up line names the kernels.
 
 The settings must be in the environment before torch loads, so each check runs in a
@@ -25,6 +25,7 @@ EMULATED_AVX2 = {
     native_build.ARCH_ENV: "x86-64-v3",
     "ONEDNN_MAX_CPU_ISA": "AVX2",
     "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",  # torch's float32 matrix products: MKL's own dispatch
 }
 
 pytestmark = [

@@ -24,6 +24,15 @@ JOBS="${KVCHAT_BUILD_JOBS:-2}"
 # virtual machine may list amx_tile while its kernel refuses the tile state, and
 # a native build then dies of an illegal instruction at start. AMX stays off.
 CPU_FLAGS=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+# KVCHAT_LLAMA_CPU=avx2 builds what an AVX2 laptop runs (AVX2, FMA, F16C; no AVX-512),
+# the peer of kvchat on an emulated AVX2 CPU: the CPU's features are capped at those.
+if [ "${KVCHAT_LLAMA_CPU:-native}" = "avx2" ]; then
+  CPU_FLAGS=" $(for f in avx avx2 fma f16c bmi2; do
+    [[ "$CPU_FLAGS" == *" $f "* ]] && printf '%s ' "$f"; done)"
+elif [ "${KVCHAT_LLAMA_CPU:-native}" != "native" ]; then
+  echo "KVCHAT_LLAMA_CPU is native or avx2, not ${KVCHAT_LLAMA_CPU}" >&2
+  exit 2
+fi
 SIMD=(-DGGML_NATIVE=OFF)
 for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx512f:AVX512 \
   avx512_vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16 avx_vnni:AVX_VNNI; do
@@ -68,7 +77,8 @@ nice -n 15 cmake -S "$SRC" -B "$DEST/build" "${GENERATOR[@]}" \
   -DLLAMA_BUILD_SERVER=ON "${SIMD[@]}" -DLLAMA_USE_PREBUILT_UI=OFF \
   -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release >&2
-nice -n 15 cmake --build "$DEST/build" --target llama-server -j"$JOBS" >&2
+# llama-bench too: the bench's llama.cpp figures (tg128, pp512) come from it
+nice -n 15 cmake --build "$DEST/build" --target llama-server llama-bench -j"$JOBS" >&2
 
 # The binary loads libllama/libggml from beside it (LD_LIBRARY_PATH=bin; its RPATH
 # points into the build tree); copy both, then remove the build tree and the sources,
