@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the Python of a venv with vLLM installed, measured as a peer",
     )
     bench.add_argument(
+        "--cpu",
+        choices=("native", "avx2"),
+        default="native",
+        help="avx2: run on an emulated AVX2 CPU (float32, no AVX-512), as most laptops",
+    )
+    bench.add_argument(
         "--out",
         default=None,
         help="folder for the JSON, Markdown and PNG (default: benchmarks/runs/DATE-CPU, "

@@ -40,6 +40,10 @@ def machine_info(device: torch.device, dtype: torch.dtype) -> dict[str, object]:
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
+    from kvchat.bench.emulated_cpu import emulated_cpu
+
+    if emulated_cpu():
+        info["emulated_cpu"] = emulated_cpu()
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             total_kib = int(f.readline().split()[1])
@@ -52,10 +56,15 @@ def machine_info(device: torch.device, dtype: torch.dtype) -> dict[str, object]:
 def machine_line(info: dict[str, object]) -> str:
     gpu = f", GPU {info['gpu']}" if "gpu" in info else ""
     mem = f", {info['memory_gib']} GiB" if "memory_gib" in info else ""
+    emulated = (
+        f" emulating an {str(info['emulated_cpu']).upper()} CPU (`--cpu {info['emulated_cpu']}`)"
+        if info.get("emulated_cpu")
+        else ""
+    )
     return (
-        f"{info['cpu']}, {info['cores']} cores ({info['torch_threads']} torch threads){mem}"
-        f"{gpu}; torch {info['torch']}, Python {info['python']}; {info['device']}, "
-        f"{info['dtype']}"
+        f"{info['cpu']}{emulated}, {info['cores']} cores ({info['torch_threads']} torch "
+        f"threads){mem}{gpu}; torch {info['torch']}, Python {info['python']}; "
+        f"{info['device']}, {info['dtype']}"
     )
 
 

@@ -231,6 +231,9 @@ def main(args) -> int:
     def progress(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
+    from kvchat.bench.emulated_cpu import restart_emulating
+
+    restart_emulating(getattr(args, "cpu", "native"), getattr(args, "argv", []))
     workloads = parse_workloads(args.workloads)
     peer_names = parse_peers(args.peers)
     if args.repeats is not None and args.repeats < 1:
