@@ -179,7 +179,8 @@ def script_format_help() -> str:
         '  {"op": "stats"}',
         "",
         "output: one JSON object a line on stdout: reply events (token events too with",
-        "--stream), stats events, and error events {event, message, line}.",
+        "--stream), stats events, and error events {event, message, line}. A script that",
+        "cannot be read or parsed runs nothing: one error event on stderr, exit code 2.",
     ]
     return "\n".join(lines)
 

@@ -154,6 +154,13 @@ def test_a_bad_script_is_refused_with_its_line_before_anything_runs(
     assert error["event"] == "error" and error["line"] == 4 and message in error["message"]
 
 
+def test_the_help_says_where_a_bad_scripts_error_goes() -> None:
+    from kvchat.script import script_format_help
+
+    text = " ".join(script_format_help().split())
+    assert "on stdout" in text and "one error event on stderr, exit code 2" in text
+
+
 def test_a_missing_script_exits_2(tmp_path) -> None:
     err = io.StringIO()
     code = run_script(

@@ -56,3 +56,15 @@ async def test_broken_theme_notifies_and_chosen_theme_persists(tmp_path):
     async with app2.run_test(size=(120, 40)) as pilot:
         await ready(pilot, app2)
         assert app2.theme == "kvchat-high-contrast"
+
+
+def test_the_readme_names_the_built_in_themes_as_the_settings_file_takes_them() -> None:
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    themes_line = next(line for line in readme.splitlines() if "Themes:" in line)
+    paragraph = readme[readme.index(themes_line) :].split("\n\n")[0]
+    named = set(re.findall(r"`(kvchat-[a-z-]+)`", paragraph))
+    built_in = {theme.name for theme in load_themes(None).themes}
+    assert named == built_in
