@@ -27,6 +27,7 @@ def _view(cached: int | None) -> SessionView:
         notice=None,
         created=0.0,
         updated=0.0,
+        number=1,
     )
 
 

@@ -38,6 +38,42 @@ async def test_a_new_session_takes_the_next_number_and_never_renumbers_the_other
         assert app.current == created[2]
 
 
+async def test_archiving_or_deleting_a_session_never_renumbers_the_others(tmp_path):
+    """Four sessions; the second archived and the third deleted: alt+4 still opens the
+    fourth, the next new session takes the lowest free number, and a restart keeps them."""
+    path = tmp_path / "sessions.db"
+    app, _ = fake_app(store=Store(path))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        created = []
+        for n in range(1, 5):
+            await pilot.press("ctrl+n")
+            await wait_until(pilot, lambda n=n: len(app.sidebar.order) == n, what=f"{n} rows")
+            created.append(app.current)
+        for key, gone in (("f6", created[1]), ("f8", created[2])):
+            await pilot.press("alt+" + str(created.index(gone) + 1))
+            assert app.current == gone
+            await pilot.press(key)
+            await wait_until(pilot, lambda g=gone: g not in app.sidebar.order, what="it left")
+        shown = {s: row_number(app, s) for s in app.sidebar.order}
+        assert shown == {created[0]: "1", created[3]: "4"}
+        await pilot.press("alt+4")
+        assert app.current == created[3]
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: len(app.sidebar.order) == 3, what="a new row")
+        newest = app.current
+        assert row_number(app, newest) == "2"  # the lowest number no listed session holds
+        await pilot.press("alt+1")
+        assert app.current == created[0]
+    again, _ = fake_app(store=Store(path))
+    async with again.run_test(size=SIZE) as pilot:
+        await ready(pilot, again)
+        shown = {s: row_number(again, s) for s in again.sidebar.order}
+        assert shown == {created[0]: "1", newest: "2", created[3]: "4"}
+        await pilot.press("alt+4")
+        assert again.current == created[3]
+
+
 async def test_the_sidebar_has_a_legend_and_help_explains_every_glyph_and_figure():
     app, _ = fake_app()
     async with app.run_test(size=SIZE) as pilot:

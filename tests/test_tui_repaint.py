@@ -230,6 +230,7 @@ def _view(**changes) -> SessionView:
         notice=None,
         created=0.0,
         updated=0.0,
+        number=1,
     )
     values.update(changes)
     return SessionView(**values)

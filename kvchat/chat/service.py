@@ -70,6 +70,7 @@ from kvchat.chat.session import (
     TurnStats,
     session_markdown,
 )
+from kvchat.chat.session_numbers import number_loaded, number_new
 from kvchat.chat.session_records import message_records, session_from_records, session_record
 from kvchat.chat.store import Store
 from kvchat.chat.write_behind import WriteBehind
@@ -191,6 +192,8 @@ class SessionService:
                     break
             self._sessions[session.id] = session
             self._runtime[session.id] = runtime
+        for session in number_loaded(self._sessions.values()):
+            self._persist(session)
 
     def close(self, timeout: float | None = 10.0) -> UnsavedReport | None:
         """Cancel live replies, write what is pending, stop the worker, close the store.
@@ -386,6 +389,7 @@ class SessionService:
             notice=rt.notice,
             created=s.created,
             updated=s.updated,
+            number=s.number,
         )
 
     # ------------------------------------------------------------ persistence
@@ -431,6 +435,7 @@ class SessionService:
         if system:
             session.messages.append(_message("system", system))
         with self._lock:
+            number_new(session, self._sessions.values())
             self._sessions[session.id] = session
             self._runtime[session.id] = _Runtime()
             self._persist(session, session.messages)
@@ -448,6 +453,8 @@ class SessionService:
         with self._lock:
             session = self._get(session_id)
             session.archived = archived
+            if not archived:
+                number_new(session, self._sessions.values())
             self._touch_and_persist(session)
         self._publish([SessionArchived(session_id, archived)])
 
@@ -469,6 +476,7 @@ class SessionService:
         with self._lock:
             session = self._get(session_id)
             session.deleted_at = None
+            number_new(session, self._sessions.values())
             # every message again: another kvchat starting meanwhile purged the deleted rows
             self._persist(session, session.messages)
         self._publish([SessionDeleted(session_id, False)])
@@ -659,6 +667,7 @@ class SessionService:
             )
             if at_message < n:
                 cut_ids(fork, at_message, source.messages[at_message])
+            number_new(fork, self._sessions.values())
             self._sessions[fork.id] = fork
             self._runtime[fork.id] = _Runtime(last_stats=self._runtime[session_id].last_stats)
             self._persist(fork, fork.messages)

@@ -126,6 +126,7 @@ class Session:
     messages: list[Message] = field(default_factory=list)
     ids: array = field(default_factory=lambda: array("I"))
     ids_stale: bool = False  # True: render from messages at the next turn (other model, edit)
+    number: int = 0  # its place in the list (alt+N), kept for its life (`session_numbers`)
 
     @property
     def system_prompt(self) -> str | None:
@@ -172,6 +173,7 @@ class SessionView:
     notice: str | None  # e.g. "rendered for another model: will be computed again"
     created: float
     updated: float
+    number: int  # its place in the list, from 1 (alt+N): never changes while it is listed
 
     @property
     def context_fraction(self) -> float | None:

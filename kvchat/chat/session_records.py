@@ -38,6 +38,7 @@ def session_from_records(record: SessionRecord, messages: Sequence[MessageRecord
         deleted_at=record.deleted_at,
         ids=record.ids(),
         ids_stale=record.ids_stale,
+        number=record.number,
     )
     for m in messages:
         session.messages.append(
@@ -72,6 +73,7 @@ def session_record(session: Session, extra_ids: Iterable[int] = ()) -> SessionRe
         ids_stale=session.ids_stale,
         sampling_json=sampling_to_json(session.sampling),
         max_tokens=session.max_tokens,
+        number=session.number,
     )
 
 

@@ -72,6 +72,10 @@ _MIGRATIONS: list[str] = [
     """
     ALTER TABLE sessions ADD COLUMN revision INTEGER NOT NULL DEFAULT 0;
     """,
+    # the session's number in the list (alt+N), kept for its life; 0: not given yet
+    """
+    ALTER TABLE sessions ADD COLUMN number INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -92,6 +96,7 @@ class SessionRecord:
     sampling_json: str | None
     max_tokens: int | None
     revision: int = 0  # bumped by every save; ignored when writing
+    number: int = 0  # its place in the list, for alt+N (0: none given yet)
 
     def ids(self) -> array:
         out = array("I")
@@ -227,15 +232,16 @@ class Store:
             db.execute(
                 """INSERT INTO sessions (id, title, created, updated, archived, deleted_at,
                        model_fingerprint, token_ids, ids_byteorder, ids_stale, sampling, max_tokens,
-                       revision)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                       revision, number)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                    ON CONFLICT(id) DO UPDATE SET title = excluded.title,
                        updated = excluded.updated, archived = excluded.archived,
                        deleted_at = excluded.deleted_at,
                        model_fingerprint = excluded.model_fingerprint,
                        token_ids = excluded.token_ids, ids_byteorder = excluded.ids_byteorder,
                        ids_stale = excluded.ids_stale, sampling = excluded.sampling,
-                       max_tokens = excluded.max_tokens, revision = excluded.revision""",
+                       max_tokens = excluded.max_tokens, revision = excluded.revision,
+                       number = excluded.number""",
                 (
                     session.id,
                     session.title,
@@ -250,6 +256,7 @@ class Store:
                     session.sampling_json,
                     session.max_tokens,
                     revision,
+                    session.number,
                 ),
             )
             if removed:
@@ -317,7 +324,8 @@ class Store:
         with self._lock:
             sessions = self._db.execute(
                 """SELECT id, title, created, updated, archived, deleted_at, model_fingerprint,
-                          token_ids, ids_byteorder, ids_stale, sampling, max_tokens, revision
+                          token_ids, ids_byteorder, ids_stale, sampling, max_tokens, revision,
+                          number
                    FROM sessions ORDER BY created"""
             ).fetchall()
             out = []
@@ -341,6 +349,7 @@ class Store:
                     sampling_json=row[10],
                     max_tokens=row[11],
                     revision=row[12],
+                    number=row[13],
                 )
                 messages = [
                     MessageRecord(

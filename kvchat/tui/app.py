@@ -432,8 +432,8 @@ class KvchatApp(RefreshPump, CommandPalette, App[int]):
         views = self._list_views()
         await self.sidebar.set_sessions(views)
         if self.current not in self.views:
-            order = self.sidebar.order
-            await self.switch_to(order[-1] if order else None)  # the newest
+            newest = max(self.views.values(), key=lambda v: (v.created, v.id), default=None)
+            await self.switch_to(newest.id if newest is not None else None)
         else:
             self.sidebar.set_current(self.current)
         self._request_residency(all_sessions=True)
@@ -588,9 +588,10 @@ class KvchatApp(RefreshPump, CommandPalette, App[int]):
 
     @guarded
     async def action_jump(self, n: int) -> None:
-        order = self.sidebar.order
-        if 1 <= n <= len(order) and order[n - 1] != self.current:
-            await self.switch_to(order[n - 1])
+        """alt+N: the session numbered N (its number for life, not its row)."""
+        target = next((v.id for v in self.views.values() if v.number == n and not v.archived), None)
+        if target is not None and target != self.current:
+            await self.switch_to(target)
 
     @guarded
     def action_stop(self) -> None:

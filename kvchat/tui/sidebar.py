@@ -2,10 +2,10 @@
 
 Why rows are updated in place: sessions change state many times a second while
 they stream; rebuilding the list would flicker and lose the scroll position.
-Rows are rebuilt only when sessions appear or disappear. The order is by
-creation, oldest first, and a row's number is its place in that order: a new
-session takes the next number at the bottom, so alt+1..9 keep pointing at the
-same sessions when others are created or stream.
+Rows are rebuilt only when sessions appear or disappear. Rows are in the order
+of the sessions' numbers (`kvchat/chat/session_numbers.py`), which a session keeps
+for its life: alt+1..9 keep pointing at the same sessions when others are created,
+stream, are archived or deleted (archived ones, when shown, come last, unnumbered).
 
 Why a row compares before it repaints: the app refreshes busy sessions' rows 4
 times a second, but what a row shows changes far less often (the context
@@ -34,8 +34,8 @@ LEGEND = "█ device ▓ host ▒ disk ░ none"
 # with a remote server no residency is known: each row shows the last turn's hit rate
 REMOTE_LEGEND = "last hit: the server's cache"
 HELP = """Sidebar, one row a session:
-  N ● Title     N is the session's number (alt+N shows it; numbers follow creation
-                order and never change when a session is created); ● unread reply
+  N ● Title     N is the session's number (alt+N shows it; a session keeps it while it
+                lives, whatever happens to the others); ● unread reply
   state         idle, queued, prefilling, decoding or preempted (+N: messages waiting)
   ████▓▓▒░ ctx  where the session's history lives in the KV cache, in proportion to
                 its tokens: █ on the compute device (instant), ▓ in the host tier
@@ -81,7 +81,7 @@ def row_fields(index: int, view: SessionView, residency: Residency | None) -> tu
     """Everything a row shows, as plain values: equal fields, equal row (nothing to repaint)."""
     fraction = view.context_fraction
     return (
-        f"{index}" if index <= 9 else " ",
+        f"{index}" if 1 <= index <= 9 and not view.archived else " ",
         view.unread,
         view.title[:40],
         view.state + (f" +{view.queued_says}" if view.queued_says else ""),
@@ -156,7 +156,7 @@ class SessionRow(Static):
 
 
 class SessionList(VerticalScroll):
-    """The rows in creation order (oldest first, numbered from 1); `current` is highlighted."""
+    """The rows by session number (archived ones last); `current` is highlighted."""
 
     can_focus = False
 
@@ -173,22 +173,22 @@ class SessionList(VerticalScroll):
 
     async def set_sessions(self, views: Sequence[SessionView]) -> None:
         """Rebuild when the set of sessions changed; else update the rows in place."""
-        ordered = sorted(views, key=lambda v: (v.created, v.id))
+        ordered = sorted(views, key=lambda v: (v.archived, v.number, v.created, v.id))
         ids = [v.id for v in ordered]
         if ids == self.order:
-            for i, view in enumerate(ordered, 1):
-                self._rows[view.id].set_view(view, i)
+            for view in ordered:
+                self._rows[view.id].set_view(view, view.number)
             return
         old = self._rows
         self.order = ids
         with self.app.batch_update():
             await self.remove_children()
             new_rows = []
-            for i, view in enumerate(ordered, 1):
-                row = SessionRow(view, i)
+            for view in ordered:
+                row = SessionRow(view, view.number)
                 if view.id in old and old[view.id].residency is not None:
                     row.residency = old[view.id].residency
-                    row.set_view(view, i)
+                    row.set_view(view, view.number)
                 row.set_class(view.id == self.current, "-current")
                 new_rows.append(row)
             self._rows = {row.session_id: row for row in new_rows}
