@@ -284,7 +284,11 @@ def test_default_model_greedy_output_is_identical_with_flex(default_gguf_path) -
     ("flags", "says"),
     [
         (["--attention", "flex", "--kv", "int8"], "--kv native"),
-        (["--attention", "native", "--device", "cuda"], "--attention flex"),
+        # on a CPU-only torch the device itself is refused first, and says so
+        (
+            ["--attention", "native", "--device", "cuda"],
+            "--attention flex" if torch.cuda.is_available() else "CPU-only build",
+        ),
     ],
 )
 def test_the_command_line_refuses_what_cannot_run_before_loading_a_model(
@@ -295,6 +299,14 @@ def test_the_command_line_refuses_what_cannot_run_before_loading_a_model(
 
     assert main(["ask", "--model", "/nonexistent/model.gguf", *flags, "hi"]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_kvchats_cpu_attention_is_refused_on_cuda_naming_what_runs_there() -> None:
+    from kvchat.engine.attention_choice import resolve_attention
+    from kvchat.errors import KvchatError
+
+    with pytest.raises(KvchatError, match="--attention flex"):
+        resolve_attention("native", torch.device("cuda"), "native")
 
 
 def test_the_settings_key_chooses_the_attention_and_the_flag_overrides_it() -> None:
