@@ -28,6 +28,7 @@ def _view(cached: int | None) -> SessionView:
         created=0.0,
         updated=0.0,
         number=1,
+        unsent="",
     )
 
 

@@ -231,6 +231,7 @@ def _view(**changes) -> SessionView:
         created=0.0,
         updated=0.0,
         number=1,
+        unsent="",
     )
     values.update(changes)
     return SessionView(**values)

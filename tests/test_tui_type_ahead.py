@@ -62,7 +62,7 @@ async def test_a_paste_is_drafted_and_the_border_fills_then_send_ends_it():
         engine.advance(10)
 
 
-async def test_switching_away_cancels_the_draft_and_the_text_drafts_into_the_new_session():
+async def test_switching_away_cancels_the_draft_and_the_text_stays_with_its_session():
     app, engine = fake_app(manual=True)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
@@ -75,5 +75,9 @@ async def test_switching_away_cancels_the_draft_and_the_text_drafts_into_the_new
         await pilot.press("alt+down")
         await wait_until(pilot, lambda: app.current != first, what="switched")
         await wait_until(pilot, lambda: engine.cancelled_ids, what="the draft is cancelled")
+        assert app.composer.text == ""  # the other session's box: its own, empty
+        await pilot.press("alt+up")
+        await wait_until(pilot, lambda: app.current == first, what="back")
+        assert app.composer.text == "a question being typed"
         await wait_until(pilot, lambda: len(engine.drafts) == 2, what="drafted again")
-        assert engine.drafts[0] == engine.drafts[1]  # same text, both first turns
+        assert engine.drafts[0] == engine.drafts[1]  # the same text into the same session

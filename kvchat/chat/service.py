@@ -390,6 +390,7 @@ class SessionService:
             created=s.created,
             updated=s.updated,
             number=s.number,
+            unsent=s.unsent,
         )
 
     # ------------------------------------------------------------ persistence
@@ -541,6 +542,7 @@ class SessionService:
         say = _Say(text, sampling, max_tokens, ignore_eos)
         with self._lock:
             rt = self._runtime[self._get(session_id).id]
+            self._sessions[session_id].unsent = ""  # stored with the message
             if rt.busy:
                 rt.queue.append(say)
                 rt.draft.pending = None  # the text it held is sent now
@@ -570,6 +572,16 @@ class SessionService:
             else:
                 events = self._submit_draft(session, rt, text)
         self._publish(events)
+
+    def keep_unsent(self, session_id: str, text: str) -> None:
+        """Store what the user typed for the session and has not sent (its composer's
+        text), so that it is there after a switch, a restart or a crash."""
+        with self._lock:
+            session = self._get(session_id)
+            if session.unsent == text:
+                return
+            session.unsent = text
+            self._persist(session)  # `updated` unchanged: typing does not reorder sessions
 
     def end_draft(self, session_id: str) -> None:
         """Stop computing the session's draft (its computed pages stay cached)."""

@@ -127,6 +127,7 @@ class Session:
     ids: array = field(default_factory=lambda: array("I"))
     ids_stale: bool = False  # True: render from messages at the next turn (other model, edit)
     number: int = 0  # its place in the list (alt+N), kept for its life (`session_numbers`)
+    unsent: str = ""  # the composer's text for this session, typed and not sent
 
     @property
     def system_prompt(self) -> str | None:
@@ -174,6 +175,7 @@ class SessionView:
     created: float
     updated: float
     number: int  # its place in the list, from 1 (alt+N): never changes while it is listed
+    unsent: str  # what was typed for it and not sent (its composer's text)
 
     @property
     def context_fraction(self) -> float | None:

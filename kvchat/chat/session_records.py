@@ -39,6 +39,7 @@ def session_from_records(record: SessionRecord, messages: Sequence[MessageRecord
         ids=record.ids(),
         ids_stale=record.ids_stale,
         number=record.number,
+        unsent=record.unsent,
     )
     for m in messages:
         session.messages.append(
@@ -74,6 +75,7 @@ def session_record(session: Session, extra_ids: Iterable[int] = ()) -> SessionRe
         sampling_json=sampling_to_json(session.sampling),
         max_tokens=session.max_tokens,
         number=session.number,
+        unsent=session.unsent,
     )
 
 

@@ -76,6 +76,10 @@ _MIGRATIONS: list[str] = [
     """
     ALTER TABLE sessions ADD COLUMN number INTEGER NOT NULL DEFAULT 0;
     """,
+    # what the user typed in the session's composer and has not sent
+    """
+    ALTER TABLE sessions ADD COLUMN unsent TEXT NOT NULL DEFAULT '';
+    """,
 ]
 
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -97,6 +101,7 @@ class SessionRecord:
     max_tokens: int | None
     revision: int = 0  # bumped by every save; ignored when writing
     number: int = 0  # its place in the list, for alt+N (0: none given yet)
+    unsent: str = ""  # the composer's text not sent yet
 
     def ids(self) -> array:
         out = array("I")
@@ -232,8 +237,8 @@ class Store:
             db.execute(
                 """INSERT INTO sessions (id, title, created, updated, archived, deleted_at,
                        model_fingerprint, token_ids, ids_byteorder, ids_stale, sampling, max_tokens,
-                       revision, number)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                       revision, number, unsent)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                    ON CONFLICT(id) DO UPDATE SET title = excluded.title,
                        updated = excluded.updated, archived = excluded.archived,
                        deleted_at = excluded.deleted_at,
@@ -241,7 +246,7 @@ class Store:
                        token_ids = excluded.token_ids, ids_byteorder = excluded.ids_byteorder,
                        ids_stale = excluded.ids_stale, sampling = excluded.sampling,
                        max_tokens = excluded.max_tokens, revision = excluded.revision,
-                       number = excluded.number""",
+                       number = excluded.number, unsent = excluded.unsent""",
                 (
                     session.id,
                     session.title,
@@ -257,6 +262,7 @@ class Store:
                     session.max_tokens,
                     revision,
                     session.number,
+                    session.unsent,
                 ),
             )
             if removed:
@@ -325,7 +331,7 @@ class Store:
             sessions = self._db.execute(
                 """SELECT id, title, created, updated, archived, deleted_at, model_fingerprint,
                           token_ids, ids_byteorder, ids_stale, sampling, max_tokens, revision,
-                          number
+                          number, unsent
                    FROM sessions ORDER BY created"""
             ).fetchall()
             out = []
@@ -350,6 +356,7 @@ class Store:
                     max_tokens=row[11],
                     revision=row[12],
                     number=row[13],
+                    unsent=row[14],
                 )
                 messages = [
                     MessageRecord(

@@ -322,14 +322,20 @@ class KvchatApp(RefreshPump, CommandPalette, App[int]):
             self.pop_screen()
         # Focus first: what a user types while the sessions are listed must reach the composer.
         self.composer.focus()
-        if draft:
-            self.composer.load_text(draft)
-            self.composer.move_cursor(self.composer.document.end)
         self.meters.set_cache_note(message.backend.description)
         views = self._list_views()
         await self.sidebar.set_sessions(views)
         recent = max(views, key=lambda v: v.updated, default=None)
-        await self.switch_to(recent.id if recent else None)
+        typed = draft + self.composer.text  # while starting, then while the list was built
+        self.composer.clear()
+        await self.switch_to(recent.id if recent else None)  # its unsent text comes back
+        unsent = self.composer.text
+        if send_draft and unsent:  # never sent with, nor instead of, text kept from before
+            send_draft = False
+            self.notify("Not sent yet: the session had unsent text; both are in the box.")
+        if typed:  # what was typed while starting goes after the session's unsent text
+            self.composer.load_text("\n".join(t for t in (unsent, typed) if t))
+        self.composer.move_cursor(self.composer.document.end)
         if message.interrupted:
             self.notify(
                 f"{message.interrupted} repl{'y was' if message.interrupted == 1 else 'ies were'} "
@@ -353,6 +359,7 @@ class KvchatApp(RefreshPump, CommandPalette, App[int]):
             self._unsubscribe()
             self._unsubscribe = None
         if self.service is not None:
+            self._keep_unsent(self.current)
             try:
                 self.unsaved = self.service.close()
             except Exception:
@@ -451,20 +458,46 @@ class KvchatApp(RefreshPump, CommandPalette, App[int]):
     # -------------------------------------------------------------- switching
 
     async def switch_to(self, session_id: str | None) -> None:
-        """Render the chosen session at once from the service's snapshot; prefetch in a thread."""
-        if self.current is not None and self.current != session_id and self.service is not None:
-            self._end_draft(self.service, self.current)  # its pages stay cached
+        """Render the chosen session at once from the service's snapshot; prefetch in a thread.
+
+        Each session has its own composer text: what was typed for the one left is kept
+        with it (stored), and the chosen one's comes back."""
+        leaving = self.current if self.current != session_id else None
+        if leaving is not None and self.service is not None:
+            self._keep_unsent(leaving)
+            self._end_draft(self.service, leaving)  # its pages stay cached
             self._draft_label = None
-            self.draft_timer.edited(time.monotonic())  # the text now drafts into this session
+            self.draft_timer.reset()
         self.current = session_id
         self.sidebar.set_current(session_id)
         self.composer.set_editing(False)
+        if leaving is not None or not self.composer.text:
+            self.composer.load_text(self._unsent_of(session_id))
+            self.composer.move_cursor(self.composer.document.end)
+            if self.composer.text:
+                self.draft_timer.edited(time.monotonic())  # computed ahead again
         async with self._transcript_lock:
             messages = self.service.messages(session_id) if self.service and session_id else []
             await self.transcript.show(session_id, messages)
         self._update_title()
         if session_id is not None and self.service is not None:
             self._focus_session(self.service, session_id)
+
+    def _keep_unsent(self, session_id: str | None) -> None:
+        """Store the composer's text as `session_id`'s unsent text (not while it holds a
+        message being edited: that one is still stored as sent)."""
+        if self.service is None or session_id is None or self.composer.editing:
+            return
+        with contextlib.suppress(KvchatError):  # deleted meanwhile
+            self.service.keep_unsent(session_id, self.composer.text)
+
+    def _unsent_of(self, session_id: str | None) -> str:
+        if self.service is None or session_id is None:
+            return ""
+        try:
+            return self.service.session(session_id).unsent
+        except KvchatError:
+            return ""
 
     @work(thread=True, exit_on_error=False, group="focus")
     def _focus_session(self, service: SessionService, session_id: str) -> None:
@@ -483,6 +516,7 @@ class KvchatApp(RefreshPump, CommandPalette, App[int]):
             return
         text = self.composer.text
         if self.draft_timer.due(time.monotonic(), len(text)):
+            self._keep_unsent(self.current)  # here, in typing order: never after a send
             self._send_draft(self.service, self.current, text.strip())
 
     @work(thread=True, exit_on_error=False, group="draft")
