@@ -228,7 +228,8 @@ def _refuse_embedded_flags(args: argparse.Namespace) -> str | None:
     from kvchat.runtime import read_settings
 
     try:
-        remote = remote_options(args, read_settings())
+        # quietly: the command itself reads the settings again and says what is wrong once
+        remote = remote_options(args, read_settings(warn=lambda _problem: None))
     except KvchatError as exc:
         return str(exc)
     flag = embedded_flag_given(args) if remote is not None else None

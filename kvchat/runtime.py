@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvchat.chat.engine_port import ChatBackend
-from kvchat.chat.settings import MIN_PAGE_SIZE, Settings, is_page_size, load_settings
+from kvchat.chat.settings import MIN_PAGE_SIZE, Settings, is_page_size, load_settings_checked
 from kvchat.engine.api import SamplingParams
 from kvchat.errors import KvchatError, UsageError
 from kvchat.units import format_size, parse_size
@@ -45,12 +45,14 @@ class RuntimeOptions:
 
 
 def read_settings(warn: Callable[[str], None] | None = None) -> Settings:
-    """The settings file, or defaults with a warning when it is broken (never overwritten)."""
-    try:
-        return load_settings()
-    except KvchatError as exc:
-        (warn or (lambda m: print(m, file=sys.stderr)))(f"kvchat: {exc} Using the defaults.")
-        return Settings()
+    """The settings file's good values; each bad key warned about once, with its default
+    in use (the file is never overwritten)."""
+    settings, problems = load_settings_checked()
+    for problem in problems:
+        (warn or (lambda m: print(m, file=sys.stderr)))(
+            f"kvchat: {problem} Its default is used; the file is left as it is."
+        )
+    return settings
 
 
 def _flag(name: str) -> str:

@@ -56,6 +56,36 @@ def test_wrong_type_is_named_with_its_line() -> None:
         load_settings()
 
 
+def test_one_bad_key_keeps_the_good_ones_and_each_problem_is_one_sentence() -> None:
+    from kvchat.chat.settings import load_settings_checked
+
+    write('theme = "kvchat-light"\npage_size = 100\ntemprature = 0.3\nmax_tokens = 64\n')
+    settings, problems = load_settings_checked()
+    assert settings.theme == "kvchat-light" and settings.max_tokens == 64  # kept
+    assert settings.page_size == Settings().page_size  # the bad one keeps its default
+    assert len(problems) == 2
+    assert "line 2: 'page_size'" in problems[0] and "line 3: unknown setting" in problems[1]
+    assert all(p.endswith(".") and p.count(". ") <= 1 for p in problems)
+
+
+def test_the_commands_say_each_settings_problem_once(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    write('page_size = 100\ntheme = "kvchat-light"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "kvchat", "ask", "--engine", "http://127.0.0.1:9/v1", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ},
+    )
+    lines = [line for line in done.stderr.splitlines() if "page_size" in line]
+    assert len(lines) == 1, done.stderr
+    assert lines[0].endswith("Its default is used; the file is left as it is.")
+
+
 def test_invalid_toml_names_the_line() -> None:
     write('theme = "dark"\nseed = = 3\n')
     with pytest.raises(KvchatError, match=r"not valid TOML: .*line 2"):

@@ -74,6 +74,20 @@ async def test_archiving_or_deleting_a_session_never_renumbers_the_others(tmp_pa
         assert again.current == created[3]
 
 
+def test_a_misspelled_key_name_is_refused_naming_the_setting_and_line(tmp_path):
+    from kvchat.chat.settings import parse_settings_checked
+
+    text = '[keys]\nquit = "ctrl+q"\nnext_session = "ctrl+rigth"\nnew_session = "ctlr+n"\n'
+    settings, problems = parse_settings_checked(text, tmp_path / "settings.toml")
+    assert problems == ()  # strings, as the file format asks: the key names are the UI's
+    keymap, key_problems = check_keymap(settings.keys, settings.sources)
+    assert keymap == {"quit": "ctrl+q"}  # the two bad ones keep their default keys
+    rigth, ctlr = key_problems
+    assert "settings.toml, line 3" in rigth and "'rigth' is no key name" in rigth
+    assert "next_session keeps ctrl+pagedown" in rigth
+    assert "line 4" in ctlr and "'ctlr' is not a modifier" in ctlr
+
+
 async def test_the_sidebar_has_a_legend_and_help_explains_every_glyph_and_figure():
     app, _ = fake_app()
     async with app.run_test(size=SIZE) as pilot:

@@ -2,10 +2,11 @@
 
 Keys are named as the command-line options (README.md, "Options and settings") (`device_cache` for
 `--device-cache`), so one word means one thing on both. A bad file never
-crashes kvchat and is never overwritten: `load_settings` raises a
-`KvchatError` naming the key (and its line) or the TOML error's line, and the
-caller decides to warn and use the defaults. `save_setting` rewrites only the
-line of the key it changes, so the user's comments and layout survive.
+crashes kvchat and is never overwritten: `load_settings_checked` keeps every good
+key and gives one sentence per bad one, naming the key and its line (or the TOML
+error's line), and the caller shows each once; a bad key keeps its default.
+`save_setting` rewrites only the line of the key it changes, so the user's comments
+and layout survive.
 """
 
 from __future__ import annotations
@@ -149,44 +150,75 @@ def is_page_size(value: Any) -> bool:
 _KNOWN = tuple(f.name for f in fields(Settings) if f.name != "sources")
 
 
-def parse_settings(text: str, path: Path) -> Settings:
-    """Settings from TOML text; KvchatError names the bad key or TOML line."""
+def parse_settings_checked(text: str, path: Path) -> tuple[Settings, tuple[str, ...]]:
+    """Settings from TOML text, key by key: every good value is kept, and each bad key
+    is one problem (a sentence naming the file, line and key) and keeps its default, so
+    one typo never costs the user the rest of the file. Invalid TOML keeps nothing."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise UsageError(f"{path}: not valid TOML: {exc}. Fix the file or move it away.") from None
+        return Settings(), (f"{path}: not valid TOML: {exc}. Fix the file or move it away.",)
     values: dict[str, Any] = {}
+    problems: list[str] = []
     for key, value in data.items():
         if key not in _KNOWN:
-            raise UsageError(
-                f"{_where(path, text, key)}: unknown setting '{key}' (known: {', '.join(_KNOWN)})"
+            problems.append(
+                f"{_where(path, text, key)}: unknown setting '{key}' (known: {', '.join(_KNOWN)})."
             )
+            continue
         if key == "keys":
             if not isinstance(value, dict):
-                raise UsageError(f"{_where(path, text, key)}: 'keys' must be a table [keys]")
+                problems.append(f"{_where(path, text, key)}: 'keys' must be a table [keys].")
+                continue
+            good = {}
             for binding, keyname in value.items():
                 if not isinstance(keyname, str) or not keyname:
-                    raise UsageError(
+                    problems.append(
                         f"{_where(path, text, binding, 'keys')}: key binding '{binding}' "
-                        f'must be a key name string, like "ctrl+n"'
+                        f'must be a key name string, like "ctrl+n".'
                     )
-            values["keys"] = MappingProxyType(dict(value))
+                    continue
+                good[binding] = keyname
+            values["keys"] = MappingProxyType(good)
             continue
-        values[key] = _check(path, text, key, value)
+        try:
+            values[key] = _check(path, text, key, value)
+        except KvchatError as exc:
+            problems.append(f"{exc}.")
     sources = {key: _where(path, text, key) for key in values}
-    return Settings(**values, sources=MappingProxyType(sources))
+    for binding in values.get("keys", {}):  # for messages about a key binding's value
+        sources[f"keys.{binding}"] = _where(path, text, binding, "keys")
+    return Settings(**values, sources=MappingProxyType(sources)), tuple(problems)
 
 
-def load_settings(path: Path | None = None) -> Settings:
-    """The settings file's values (defaults when it does not exist); KvchatError when bad."""
+def parse_settings(text: str, path: Path) -> Settings:
+    """Settings from TOML text; KvchatError names the first bad key or the TOML line
+    (for edits, which never write into a file with a problem)."""
+    settings, problems = parse_settings_checked(text, path)
+    if problems:
+        raise UsageError(problems[0].removesuffix("."))
+    return settings
+
+
+def load_settings_checked(path: Path | None = None) -> tuple[Settings, tuple[str, ...]]:
+    """The settings file's good values (defaults when it does not exist) and a problem
+    sentence for each bad key (`parse_settings_checked`)."""
     path = path or app_paths().settings_file
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        return Settings()
+        return Settings(), ()
     except (OSError, UnicodeDecodeError) as exc:
-        raise KvchatError(f"cannot read the settings file {path}: {exc}") from None
-    return parse_settings(text, path)
+        return Settings(), (f"cannot read the settings file {path}: {exc}.",)
+    return parse_settings_checked(text, path)
+
+
+def load_settings(path: Path | None = None) -> Settings:
+    """The settings file's values (defaults when it does not exist); KvchatError when bad."""
+    settings, problems = load_settings_checked(path)
+    if problems:
+        raise KvchatError(problems[0].removesuffix("."))
+    return settings
 
 
 def _toml_value(value: str | int | float | bool) -> str:

@@ -160,7 +160,7 @@ class KvchatApp(RefreshPump, CommandPalette, App[int]):
             user_themes_dir if user_themes_dir is not None else app_paths().themes_dir
         )
         self.problems: list[str] = [settings_problem] if settings_problem else []
-        self.keymap, key_problems = check_keymap(self.settings.keys)
+        self.keymap, key_problems = check_keymap(self.settings.keys, self.settings.sources)
         self.problems += key_problems
         self.set_keymap(self.keymap)
         self.backend: TuiBackend | None = None

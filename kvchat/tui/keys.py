@@ -10,6 +10,7 @@ session switching has two pairs because many terminals keep one pair for tabs.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -61,7 +62,9 @@ def bindings(specs: tuple[KeySpec, ...], *, priority: bool = False) -> list[Bind
     ]
 
 
-def check_keymap(keys: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+def check_keymap(
+    keys: Mapping[str, str], sources: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], list[str]]:
     """The settings' `[keys]` split into a usable keymap and one problem line per bad entry.
 
     A remap onto a key another binding has (`quit = "ctrl+n"`) is refused and reported:
@@ -90,29 +93,73 @@ def check_keymap(keys: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
             key_list = specs[binding_id].keys
         for key in _split(key_list):
             taken.setdefault(key, binding_id)
-    return keymap, problems
+    return keymap, [_placed(problem, sources or {}) for problem in problems]
+
+
+def _placed(problem: str, sources: Mapping[str, str]) -> str:
+    """The problem with the file and line of the binding it names in front, when known."""
+    binding = problem.removeprefix("[keys] ").split(" ", 1)[0].rstrip(":")
+    where = sources.get(f"keys.{binding}")
+    return f"{where}: {problem}" if where else problem
 
 
 def _split(keys: str) -> list[str]:
     return [part.strip() for part in keys.split(",") if part.strip()]
 
 
+MODIFIERS = frozenset({"ctrl", "shift", "alt", "meta", "super", "hyper"})
+
+
+@functools.cache
+def _key_names() -> frozenset[str]:
+    """Every key name a terminal's key can arrive as in Textual: its named keys
+    (`right`, `pageup`, `f5`), their aliases, and the names of the printable characters
+    (`minus`, `full_stop`)."""
+    from textual.keys import KEY_ALIASES, Keys, _character_to_key
+
+    names = {key.value.rsplit("+", 1)[-1] for key in Keys} | set(KEY_ALIASES)
+    names |= {_character_to_key(chr(code)) for code in range(32, 127)}
+    return frozenset(names)
+
+
+def key_name_problem(name: str) -> str | None:
+    """Why `name` ("ctrl+rigth") is no key a terminal can send, or None when it is one:
+    a misspelled name taken silently would leave its action on no key at all."""
+    from textual.keys import key_to_character
+
+    *modifiers, base = name.split("+") if name != "+" else ["+"]
+    unknown = [m for m in modifiers if m not in MODIFIERS]
+    if unknown:
+        return f"{unknown[0]!r} is not a modifier (ctrl, shift, alt, meta, super)"
+    if len(base) == 1 or base in _key_names() or key_to_character(base) is not None:
+        return None
+    return f"{base!r} is no key name (like right, pageup, f5, enter, a)"
+
+
 def _known_entries(keys: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
-    """Entries naming a known binding and at least one key; a problem line for the others."""
+    """Entries naming a known binding and keys a terminal can send; a problem line for
+    the others (the binding then keeps its default keys)."""
     keymap: dict[str, str] = {}
     problems: list[str] = []
     for binding_id, key in keys.items():
         if binding_id not in BINDING_IDS:
             problems.append(
                 f"[keys] {binding_id}: no such key binding "
-                f"(known: {', '.join(sorted(BINDING_IDS))})"
+                f"(known: {', '.join(sorted(BINDING_IDS))})."
             )
             continue
-        cleaned = ",".join(part.strip() for part in key.split(",") if part.strip())
-        if not cleaned:
-            problems.append(f'[keys] {binding_id}: needs a key name, like "ctrl+n"')
+        parts = [part.strip() for part in key.split(",") if part.strip()]
+        if not parts:
+            problems.append(f'[keys] {binding_id}: needs a key name, like "ctrl+n".')
             continue
-        keymap[binding_id] = cleaned
+        bad = next(((p, why) for p in parts if (why := key_name_problem(p))), None)
+        if bad is not None:
+            default = next(s.keys for s in ALL_KEYS if s.id == binding_id)
+            problems.append(
+                f'[keys] {binding_id} = "{key}": {bad[1]}; {binding_id} keeps {default}.'
+            )
+            continue
+        keymap[binding_id] = ",".join(parts)
     return keymap, problems
 
 

@@ -13,19 +13,20 @@ import sys
 from typing import TextIO
 
 from kvchat.chat.error_log import configure_error_log
-from kvchat.chat.settings import Settings, load_settings
-from kvchat.errors import KvchatError, UsageError
+from kvchat.chat.settings import Settings, load_settings_checked
+from kvchat.errors import UsageError
 from kvchat.runtime import resolve_options
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.backend import start_real_backend
 
 
 def read_settings_for_tui() -> tuple[Settings, str | None]:
-    """The settings, or the defaults and a message saying why the file was not used."""
-    try:
-        return load_settings(), None
-    except KvchatError as exc:
-        return Settings(), f"{exc} Using the defaults; the file is left as it is."
+    """The settings' good values, and one message listing each bad key once (None when
+    there is none)."""
+    settings, problems = load_settings_checked()
+    if not problems:
+        return settings, None
+    return settings, "\n".join(problems) + "\nTheir defaults are used; the file is left as it is."
 
 
 def require_terminal(
