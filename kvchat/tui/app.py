@@ -627,6 +627,22 @@ class KvchatApp(RefreshPump, CommandPalette, App[int]):
         if target is not None and target != self.current:
             await self.switch_to(target)
 
+    def action_scroll_transcript(self, pages: int) -> None:
+        """pageup / pagedown: a page of the transcript, the composer keeping the focus
+        (scrolled to the end, the transcript follows the reply again)."""
+        transcript = self.transcript
+        if pages < 0:
+            transcript.scroll_page_up(animate=False)
+        else:
+            transcript.scroll_page_down(animate=False)
+
+    def action_scroll_transcript_to(self, end: int) -> None:
+        """ctrl+home / ctrl+end: the transcript's first message, or its end."""
+        if end:
+            self.transcript.scroll_end(animate=False)
+        else:
+            self.transcript.scroll_home(animate=False)
+
     @guarded
     def action_stop(self) -> None:
         if self.composer.editing:

@@ -41,6 +41,11 @@ APP_KEYS: tuple[KeySpec, ...] = (
     KeySpec("undo", "f9", "undo", "Undo"),
     KeySpec("copy_reply", "f4", "copy_reply", "Copy reply"),
     KeySpec("attach", "ctrl+o", "attach", "Attach file", show=True),
+    # the transcript scrolls from wherever the focus is (the composer, mostly)
+    KeySpec("scroll_up", "pageup", "scroll_transcript(-1)", "Scroll up"),
+    KeySpec("scroll_down", "pagedown", "scroll_transcript(1)", "Scroll down"),
+    KeySpec("scroll_top", "ctrl+home", "scroll_transcript_to(0)", "Transcript top"),
+    KeySpec("scroll_bottom", "ctrl+end", "scroll_transcript_to(1)", "Transcript end"),
     KeySpec("command_palette", "ctrl+p", "command_palette", "Commands", show=True),
     KeySpec("help", "f1", "help", "Help", show=True),
     KeySpec("quit", "ctrl+q", "quit", "Quit", show=True),
