@@ -9,6 +9,7 @@ opened.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -108,6 +109,8 @@ def resolve_options(args: argparse.Namespace, settings: Settings) -> RuntimeOpti
     device_cache = size("device_cache", zero_is_off=False)
     host_cache = size("host_cache", zero_is_off=True)
     disk_cache = size("disk_cache", zero_is_off=True)
+    if disk_cache:
+        _check_disk_room(disk_cache, sources.get("disk_cache", "--disk-cache"))
     return RuntimeOptions(
         model=pick("model"),
         dtype=pick("dtype"),
@@ -125,6 +128,31 @@ def resolve_options(args: argparse.Namespace, settings: Settings) -> RuntimeOpti
         sources=sources,
         disk_cache=disk_cache,
     )
+
+
+def _check_disk_room(size: int, source: str) -> None:
+    """Refuse a disk tier its disk cannot hold (its own page files count as room: the tier
+    replaces them), before anything loads: accepted, it would fail writes for good later."""
+    from kvchat.paths import app_paths
+    from kvchat.units import format_size
+
+    folder = app_paths().kv_cache_dir
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return  # nothing known to refuse it on
+    own = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
+    room = free + own
+    if size > room:
+        raise UsageError(
+            f"{source}: a disk tier of {format_size(size)} does not fit: the disk holding "
+            f"{folder} has {format_size(free)} free"
+            + (f" (and the tier's files use {format_size(own)})" if own else "")
+            + f". Give at most {format_size(room * 9 // 10)}, or 0 to turn the tier off."
+        )
 
 
 def disk_cache_bytes(options: RuntimeOptions) -> int:

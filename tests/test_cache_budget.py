@@ -110,3 +110,26 @@ def test_an_allocation_the_budget_did_not_foresee_is_one_line(
     assert "Traceback" not in err
     last = err.splitlines()[-1]  # after the loading progress
     assert last.startswith("kvchat: out of memory") and "--device-cache" in last
+
+
+def test_a_disk_tier_its_disk_cannot_hold_is_refused_before_anything_loads(
+    tiny_llama_dir, capsys, monkeypatch
+) -> None:
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _p: usage(100 << 30, 29 << 30, 71 << 30))
+    kv = app_paths().kv_cache_dir
+    kv.mkdir(parents=True, exist_ok=True)
+    (kv / "page").write_bytes(b"x" * (1 << 20))  # the tier's own files count as room
+    code = main(["ask", "hi", "--model", str(tiny_llama_dir), "--disk-cache", "1TiB"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "--disk-cache: a disk tier of 1.0TiB does not fit" in err
+    assert "71.0GiB free (and the tier's files use 1.0MiB)" in err and "0 to turn" in err
+    settings = app_paths().settings_file
+    settings.parent.mkdir(parents=True, exist_ok=True)
+    settings.write_text('disk_cache = "72GiB"\n')
+    assert main(["ask", "hi", "--model", str(tiny_llama_dir)]) == 2
+    assert f"the settings file {settings}, line 1: a disk tier" in capsys.readouterr().err
