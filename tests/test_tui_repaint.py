@@ -260,3 +260,20 @@ async def test_sidebar_row_repaints_only_when_what_it_shows_changes():
         assert len(updates) == 1  # the residency bar appeared; nothing else showed a change
         row.set_view(_view(state="idle"))
         assert len(updates) == 2
+
+
+async def test_a_long_code_line_wraps_so_all_of_it_is_on_screen():
+    from kvchat.tui.markdown import StreamFence
+
+    line = "x = compute(" + ", ".join(f"argument_{i}" for i in range(20)) + ")  # END"
+    app = _Host()
+    async with app.run_test(size=(80, 30)) as pilot:
+        streamed = await _stream(app, pilot, "Here:\n\n```python\n", line + "\n", "```\n")
+        streamed.end_stream()
+        await pilot.pause()
+        (fence,) = streamed.query(StreamFence)
+        assert fence.max_scroll_x == 0  # nothing beyond the right edge
+        code = fence.query_one("#code-content")
+        text = "\n".join(strip.text for strip in code.render_lines(code.region))
+        assert "# END" in text and text.count("\n") >= 1  # wrapped onto more lines
+        assert code.region.right <= fence.region.right

@@ -109,7 +109,18 @@ class StreamParagraph(MarkdownParagraph):
 
 
 class StreamFence(MarkdownFence):
-    """A code block whose growing code repaints alone when its size holds."""
+    """A code block whose growing code repaints alone when its size holds.
+
+    Long lines wrap at the block's width: Textual's fence scrolls sideways with its
+    scrollbar hidden, so the end of a long line was simply not there to read (and no
+    key reaches it from the composer)."""
+
+    DEFAULT_CSS = """
+    StreamFence {
+        overflow: hidden hidden;
+        & > Label { width: 1fr; text-wrap: wrap; }
+    }
+    """
 
     def set_content(self, content: Content) -> None:
         self._content = content
