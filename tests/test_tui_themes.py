@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvchat.chat.settings import load_settings
+from kvchat.chat.settings import Settings, load_settings
 from kvchat.paths import app_paths
 from kvchat.testing.tui import fake_app, ready, wait_until
 from kvchat.tui.themes import builtin_theme_files, load_themes, parse_theme
@@ -68,3 +68,37 @@ def test_the_readme_names_the_built_in_themes_as_the_settings_file_takes_them() 
     named = set(re.findall(r"`(kvchat-[a-z-]+)`", paragraph))
     built_in = {theme.name for theme in load_themes(None).themes}
     assert named == built_in
+
+
+def test_every_built_in_theme_has_borders_and_text_that_stand_out() -> None:
+    """WCAG's bars: 3:1 for a panel's border and the accents drawn as borders and
+    titles, 4.5:1 for text (states are written in the warning and success colors)."""
+    from kvchat.tui.themes import contrast_ratio, panel_border
+
+    for theme in load_themes(None).themes:
+        variables = {**theme.to_color_system().generate(), **theme.variables}
+        background = variables["background"]
+        checks = {
+            "panel border": (panel_border(variables), 3.0),
+            "primary": (variables["primary"], 3.0),
+            "foreground": (variables["foreground"], 4.5),
+            "warning": (variables["warning"], 4.5),
+            "success": (variables["success"], 4.5),
+            "error": (variables["error"], 4.5),
+        }
+        for what, (color, bar) in checks.items():
+            ratio = contrast_ratio(color, background)
+            assert ratio >= bar, f"{theme.name}: {what} {color} on {background}: {ratio:.2f}"
+
+
+async def test_the_panels_are_drawn_with_the_themes_panel_border():
+    from textual.color import Color
+
+    from kvchat.tui.themes import panel_border
+
+    app, _ = fake_app(settings=Settings(theme="kvchat-light"))
+    async with app.run_test(size=(150, 45)) as pilot:
+        await ready(pilot, app)
+        expected = Color.parse(panel_border(app.get_css_variables()))
+        for panel in (app.sidebar, app.transcript, app.meters):
+            assert panel.styles.border_top[1] == expected

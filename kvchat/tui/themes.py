@@ -138,3 +138,33 @@ def load_themes(
             continue
         themes[theme.name] = theme
     return LoadedThemes(tuple(themes.values()), tuple(problems))
+
+
+# The panels' borders: halfway from the background to the text, so that they stand out
+# at 3:1 or more on any theme with readable text (WCAG's bar for a component's edge);
+# `$panel-lighten-2` disappeared on a light background. A theme may set its own.
+PANEL_BORDER = "panel-border"
+
+
+def panel_border(variables: dict[str, str]) -> str:
+    """The panel border color for a theme's generated variables (`background`,
+    `foreground`), unless the theme names one."""
+    if PANEL_BORDER in variables:
+        return variables[PANEL_BORDER]
+    background = Color.parse(variables["background"])
+    foreground = Color.parse(variables["foreground"])
+    return background.blend(foreground, 0.5).hex
+
+
+def contrast_ratio(a: str, b: str) -> float:
+    """WCAG's contrast ratio of two opaque colors (1 to 21)."""
+
+    def luminance(color: Color) -> float:
+        def channel(v: int) -> float:
+            x = v / 255
+            return x / 12.92 if x <= 0.03928 else ((x + 0.055) / 1.055) ** 2.4
+
+        return 0.2126 * channel(color.r) + 0.7152 * channel(color.g) + 0.0722 * channel(color.b)
+
+    la, lb = luminance(Color.parse(a)), luminance(Color.parse(b))
+    return (max(la, lb) + 0.05) / (min(la, lb) + 0.05)
