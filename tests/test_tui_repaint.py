@@ -23,6 +23,7 @@ from kvchat.tui.app import KvchatApp
 from kvchat.tui.markdown import RESERVE_LINES, StreamingMarkdown, StreamParagraph
 from kvchat.tui.repaint import update_static
 from kvchat.tui.sidebar import SessionRow
+from kvchat.tui.themes import PanelBorderVariable
 from kvchat.tui.transcript import MessageBlock
 
 DOCUMENTS = [
@@ -135,7 +136,7 @@ async def test_a_new_live_paragraph_has_its_spare_lines_from_its_first_layout():
         assert layouts and not any(layouts)
 
 
-class _StyledHost(App[None]):
+class _StyledHost(PanelBorderVariable, App[None]):
     """The app's own stylesheet around one message body, as the transcript nests it."""
 
     CSS_PATH = KvchatApp.CSS_PATH
@@ -170,7 +171,7 @@ def _message(content: str, state: MessageState, index: int) -> MessageView:
     return MessageView(f"m{index}", index, "assistant", content, state, True, None)
 
 
-class _Messages(App[None]):
+class _Messages(PanelBorderVariable, App[None]):
     CSS_PATH = KvchatApp.CSS_PATH
 
     def __init__(self, first: MessageView) -> None:

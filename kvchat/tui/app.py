@@ -117,7 +117,7 @@ from kvchat.tui.screens import (
 )
 from kvchat.tui.sidebar import SessionList, SessionRow
 from kvchat.tui.stream_buffer import StreamBuffer
-from kvchat.tui.themes import DEFAULT_THEME, PANEL_BORDER, load_themes, panel_border
+from kvchat.tui.themes import DEFAULT_THEME, PanelBorderVariable, load_themes
 from kvchat.tui.transcript import Transcript
 from kvchat.tui.type_ahead import DraftTimer, ready_label
 
@@ -126,7 +126,7 @@ NEW_TITLE = "New chat"
 _APP_ACTIONS = frozenset(spec.action.split("(")[0] for spec in APP_KEYS)
 
 
-class KvchatApp(RefreshPump, CommandPalette, App[int]):
+class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
     """Sessions, transcript, input and meters over one chat service (see the module docstring)."""
 
     CSS_PATH = Path(__file__).parent / "app.tcss"
@@ -217,11 +217,6 @@ class KvchatApp(RefreshPump, CommandPalette, App[int]):
         yield Footer()
 
     # ---------------------------------------------------------------- themes
-
-    def get_css_variables(self) -> dict[str, str]:
-        variables = super().get_css_variables()
-        variables[PANEL_BORDER] = panel_border(variables)  # any theme, Textual's own too
-        return variables
 
     def _load_themes(self) -> None:
         loaded = load_themes(self.user_themes_dir)

@@ -156,6 +156,15 @@ def panel_border(variables: dict[str, str]) -> str:
     return background.blend(foreground, 0.5).hex
 
 
+class PanelBorderVariable:
+    """Mixed into an `App` that uses kvchat's stylesheet: adds `$panel-border` for
+    whatever theme is active (kvchat's, the user's, or Textual's own)."""
+
+    def get_css_variables(self) -> dict[str, str]:
+        variables = super().get_css_variables()  # type: ignore[misc]
+        return {**variables, PANEL_BORDER: panel_border(variables)}
+
+
 def contrast_ratio(a: str, b: str) -> float:
     """WCAG's contrast ratio of two opaque colors (1 to 21)."""
 
