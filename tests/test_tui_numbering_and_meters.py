@@ -206,3 +206,22 @@ async def test_with_a_remote_server_the_sidebar_legend_says_what_its_rows_show()
         await wait_until(
             pilot, lambda: app.sidebar.border_subtitle == REMOTE_LEGEND, what="remote legend"
         )
+
+
+async def test_a_long_title_keeps_every_row_three_lines_current_or_not():
+    app, _ = fake_app()
+    async with app.run_test(size=(100, 30)) as pilot:
+        await ready(pilot, app)
+        for _ in range(2):
+            await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: len(app.sidebar.order) == 2, what="two rows")
+        first, second = app.sidebar.order
+        app.service.rename(first, "a title long enough to wrap in the sidebar")
+        app.service.rename(second, "another title long enough to wrap there")
+        await app.refresh_sessions()
+        for target in (first, second, first):
+            await pilot.press(f"alt+{app.views[target].number}")
+            await wait_until(pilot, lambda t=target: app.current == t, what="switched")
+            await pilot.pause()
+            heights = [row.size.height for row in app.sidebar.rows().values()]
+            assert heights == [3, 3], heights
