@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -120,7 +121,11 @@ def test_sessions_stream_concurrently_and_stop_ends_one_keeping_its_text(server:
         for sid in ids[1:]:
             done = _finished(events, sid)
             assert done and done[0].stats.finish_reason in ("stop", "length")
-        # the server aborted the request when its stream closed
+        # the server aborted the request when its stream closed (its gauge updates a
+        # moment later: waited for, up to 10 s, never slept on)
+        deadline = time.monotonic() + 10
+        while (_metrics(server).running or 0) != 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert (_metrics(server).running or 0) == 0
     finally:
         service.close()
