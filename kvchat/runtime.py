@@ -9,7 +9,6 @@ opened.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -133,16 +132,13 @@ def resolve_options(args: argparse.Namespace, settings: Settings) -> RuntimeOpti
 def _check_disk_room(size: int, source: str) -> None:
     """Refuse a disk tier its disk cannot hold (its own page files count as room: the tier
     replaces them), before anything loads: accepted, it would fail writes for good later."""
+    from kvchat.engine.disk_tier import free_disk_bytes
     from kvchat.paths import app_paths
     from kvchat.units import format_size
 
     folder = app_paths().kv_cache_dir
-    probe = folder
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        free = shutil.disk_usage(probe).free
-    except OSError:
+    free = free_disk_bytes(folder)
+    if free is None:
         return  # nothing known to refuse it on
     own = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
     room = free + own

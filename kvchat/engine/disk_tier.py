@@ -58,16 +58,22 @@ DEFAULT_DISK_CACHE_CAP = 8 << 30
 BACKLOG_LIMIT_BYTES = 512 << 20
 
 
-def default_disk_cache_bytes(folder: Path) -> int:
-    """8 GiB or a tenth of the disk's free space where `folder` lives, whichever is smaller."""
+def free_disk_bytes(folder: Path) -> int | None:
+    """Free space on the disk where `folder` lives (or would: its nearest existing
+    parent); None when it cannot be read."""
     probe = folder
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     try:
-        free = shutil.disk_usage(probe).free
+        return shutil.disk_usage(probe).free
     except OSError:
-        return 0
-    return min(DEFAULT_DISK_CACHE_CAP, free // 10)
+        return None
+
+
+def default_disk_cache_bytes(folder: Path) -> int:
+    """8 GiB or a tenth of the disk's free space where `folder` lives, whichever is smaller."""
+    free = free_disk_bytes(folder)
+    return 0 if free is None else min(DEFAULT_DISK_CACHE_CAP, free // 10)
 
 
 @dataclass(frozen=True)
