@@ -11,7 +11,7 @@ Why compile at first use rather than ship binaries: `-march=native` fits the ker
 to the CPU they run on, and a pure-Python wheel installs everywhere. The build takes
 ~15 s with the system C++ compiler against torch's own headers and is cached under the
 cache folder keyed by the sources, torch, the compiler, the flags and the CPU. It runs
-as a detached process at idle priority (`compile_job.py`), so it completes even when
+as a detached process at nice 10 (`compile_job.py`), so it completes even when
 the command that started it was a two-second `kvchat ask`, never runs twice at once
 for one cache folder, and leaves nothing but the library behind. Until the library is
 there, torch's kernels serve, and a thread here loads it the moment it appears. Without
@@ -195,7 +195,7 @@ def library_path(compiler: str) -> Path:
 
 
 def start_build(plan: BuildPlan) -> subprocess.Popen:
-    """Start the compile job detached: its own session, no terminal, idle priority."""
+    """Start the compile job detached: its own session, no terminal, niced."""
     return subprocess.Popen(
         [sys.executable, compile_job.__file__, json.dumps(asdict(plan))],
         stdin=subprocess.DEVNULL,
