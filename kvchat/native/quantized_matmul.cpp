@@ -81,10 +81,11 @@ inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline float vsum(Vec x) { return _mm512_reduce_add_ps(x); }
 
 inline void unpack_q4(const uint8_t* p, Vec* q) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nibble)));
-  q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble)));
+  // Widened to 32-bit lanes first, then split: a lane's low nibble by a mask and its high
+  // one by a shift, so one byte shuffle serves both vectors.
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
+  q[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
 }
 inline void unpack_q8(const uint8_t* p, Vec* q) {
   for (int i = 0; i < 2; ++i) {
@@ -114,14 +115,15 @@ inline Vec widen8(__m128i bytes, bool is_signed) {
   return _mm256_cvtepi32_ps(ints);
 }
 inline void unpack_q4(const uint8_t* p, Vec* q) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(bytes, nibble);
-  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-  q[0] = widen8(lo, false);
-  q[1] = widen8(_mm_srli_si128(lo, 8), false);
-  q[2] = widen8(hi, false);
-  q[3] = widen8(_mm_srli_si128(hi, 8), false);
+  // Widened to 32-bit lanes first, then split: a lane's low nibble by a mask and its high
+  // one by a shift, so one byte shuffle serves two vectors (two shuffles a group, not six).
+  const __m256i nibble = _mm256_set1_epi32(0x0F);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i bytes =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half)));
+    q[half] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, nibble));
+    q[half + 2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+  }
 }
 inline void unpack_q8(const uint8_t* p, Vec* q) {
   for (int i = 0; i < 4; ++i) {
@@ -208,17 +210,23 @@ inline void dequantize_group(const uint8_t* codes, float scale, float offset, Ve
   }
 }
 
-// Dot products of W weight rows with R activation rows, the weights dequantized in
-// registers: the decode path, which streams each weight byte from memory once. W rows
-// at once give the multiply-adds W * R independent chains (one row alone waits on its
-// own accumulators' latency) and the memory system W streams in flight.
+// Dot products of W weight rows with R activation rows: the decode path, which streams
+// each weight byte from memory once. A group's scale and offset are factored out,
+// sum_j (q_j s + o) x_j = s sum_j q_j x_j + o sum_j x_j, with the activations' group sums
+// (`xsum`, [R, groups]) computed once a call: per group and row the codes meet the
+// activations in kPerGroup multiply-adds and the scale in one more, where dequantizing
+// first took twice that (decode is bound by these instructions on AVX2, not by memory).
+// W rows at once give the multiply-adds W * R independent chains and the memory system
+// W streams in flight.
 template <typename F, int R, int W>
 void fused_rows(const uint8_t* codes, const float* scales, const float* offsets,
-                int64_t groups, const float* x, int64_t k, float* dots) {
-  Vec acc[W][R][kPerGroup];
+                int64_t groups, const float* x, const float* xsum, int64_t k, float* dots) {
+  Vec acc[W][R];
+  float offset_acc[W][R];
   for (int w = 0; w < W; ++w) {
     for (int r = 0; r < R; ++r) {
-      for (int i = 0; i < kPerGroup; ++i) acc[w][r][i] = vzero();
+      acc[w][r] = vzero();
+      offset_acc[w][r] = 0.f;
     }
   }
   const int64_t row_bytes = groups * F::kBytes;
@@ -228,22 +236,34 @@ void fused_rows(const uint8_t* codes, const float* scales, const float* offsets,
       Vec q[kPerGroup];
       const int64_t at = w * groups + g;
       PREFETCH(codes + w * row_bytes + g * F::kBytes + kPrefetchBytes);
-      dequantize_group<F>(codes + w * row_bytes + g * F::kBytes, scales[at],
-                          F::kOffset ? offsets[at] : 0.f, q);
+      F::unpack(codes + w * row_bytes + g * F::kBytes, q);
+      const Vec scale = vset1(scales[at]);
       // the activations are read from L1 by each multiply-add: kept in registers
       // across the W rows they would spill the accumulators with AVX2's 16
       for (int r = 0; r < R; ++r) {
-        for (int i = 0; i < kPerGroup; ++i) {
-          acc[w][r][i] = vfma(vload(xg + r * k + i * kLanes), q[i], acc[w][r][i]);
+        Vec part = vmul(vload(xg + r * k), q[0]);
+        for (int i = 1; i < kPerGroup; ++i) {
+          part = vfma(vload(xg + r * k + i * kLanes), q[i], part);
         }
+        acc[w][r] = vfma(part, scale, acc[w][r]);
+        if constexpr (F::kOffset) offset_acc[w][r] += offsets[at] * xsum[r * groups + g];
       }
     }
   }
   for (int w = 0; w < W; ++w) {
-    for (int r = 0; r < R; ++r) {
-      Vec total = acc[w][r][0];
-      for (int i = 1; i < kPerGroup; ++i) total = vadd(total, acc[w][r][i]);
-      dots[w * R + r] = vsum(total);
+    for (int r = 0; r < R; ++r) dots[w * R + r] = vsum(acc[w][r]) + offset_acc[w][r];
+  }
+}
+
+// Each activation row's sums over its groups of 32, for the factored offsets above.
+void group_sums(const float* x, int64_t m, int64_t k, float* out) {
+  const int64_t groups = k / kGroup;
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + r * k + g * kGroup;
+      Vec total = vload(xg);
+      for (int i = 1; i < kPerGroup; ++i) total = vadd(total, vload(xg + i * kLanes));
+      out[r * groups + g] = vsum(total);
     }
   }
 }
@@ -293,15 +313,16 @@ const float* as_floats(const S* p, int64_t n, float* scratch) {
 // A pass of fused_rows over weight rows [row, row + W) for the m (<= 2) activation rows.
 template <typename F, int W>
 void fused_pass(const uint8_t* codes, const float* s, const float* o, int64_t groups,
-                const float* x, int64_t m, int64_t k, int64_t row, int64_t n, float* out) {
+                const float* x, const float* xsum, int64_t m, int64_t k, int64_t row, int64_t n,
+                float* out) {
   float dots[W * 2];
   if (m == 1) {
-    fused_rows<F, 1, W>(codes, s, o, groups, x, k, dots);
+    fused_rows<F, 1, W>(codes, s, o, groups, x, xsum, k, dots);
   } else {
-    fused_rows<F, 2, (W > 1 ? W / 2 : 1)>(codes, s, o, groups, x, k, dots);
+    fused_rows<F, 2, (W > 1 ? W / 2 : 1)>(codes, s, o, groups, x, xsum, k, dots);
     if constexpr (W > 1) {  // the second half of the W rows
       fused_rows<F, 2, W / 2>(codes + W / 2 * groups * F::kBytes, s + W / 2 * groups,
-                              F::kOffset ? o + W / 2 * groups : nullptr, groups, x, k,
+                              F::kOffset ? o + W / 2 * groups : nullptr, groups, x, xsum, k,
                               dots + W);
     }
   }
@@ -337,8 +358,9 @@ void dequantize_rows(const uint8_t* codes, const S* scales, const S* offsets, in
 
 // out[m, n] = sum_k x[m, k] * w[n, k] for weight rows [begin, end).
 template <typename F, typename S>
-void matmul_rows(const float* x, int64_t m, int64_t k, const uint8_t* codes, const S* scales,
-                 const S* offsets, int64_t begin, int64_t end, int64_t n, float* out) {
+void matmul_rows(const float* x, const float* xsum, int64_t m, int64_t k, const uint8_t* codes,
+                 const S* scales, const S* offsets, int64_t begin, int64_t end, int64_t n,
+                 float* out) {
   const int64_t groups = k / kGroup;
   constexpr int W = kFusedWeightRows;
   if (m <= kFusedRows) {
@@ -353,9 +375,11 @@ void matmul_rows(const float* x, int64_t m, int64_t k, const uint8_t* codes, con
       for (int64_t r0 = 0; r0 < m; r0 += 2) {
         const int64_t pair = std::min<int64_t>(2, m - r0);
         if (take == W) {
-          fused_pass<F, W>(c, s, o, groups, x + r0 * k, pair, k, row, n, out + r0 * n);
+          fused_pass<F, W>(c, s, o, groups, x + r0 * k, xsum + r0 * groups, pair, k, row, n,
+                           out + r0 * n);
         } else {
-          fused_pass<F, 1>(c, s, o, groups, x + r0 * k, pair, k, row, n, out + r0 * n);
+          fused_pass<F, 1>(c, s, o, groups, x + r0 * k, xsum + r0 * groups, pair, k, row, n,
+                           out + r0 * n);
         }
       }
       row += take;
@@ -441,12 +465,17 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
   float* op_out = out.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const int64_t grain = std::max<int64_t>(1, kSerialMacs / std::max<int64_t>(1, m * k));
+  std::vector<float> xsum;  // the fused loop's group sums (read only where there are offsets)
+  if (m <= kFusedRows) {
+    xsum.resize(m * (k / kGroup));
+    if (F::kOffset) group_sums(xp, m, k, xsum.data());
+  }
   auto run = [&](auto scale_tag) {
     using S = decltype(scale_tag);
     const S* sp = scales.data_ptr<S>();
     const S* offp = offsets != nullptr ? offsets->data_ptr<S>() : nullptr;
     auto body = [&](int64_t begin, int64_t end) {
-      matmul_rows<F, S>(xp, m, k, cp, sp, offp, begin, end, n, op_out);
+      matmul_rows<F, S>(xp, xsum.data(), m, k, cp, sp, offp, begin, end, n, op_out);
     };
     if (m >= tile_from_rows(k)) {
       tiled_matmul<F, S>(xf, cp, sp, offp, out);
