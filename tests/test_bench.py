@@ -67,6 +67,7 @@ def test_speed_numbers_are_positive_and_the_bandwidth_is_measured(bench):
     for entry in speed["engines"].values():
         median = entry["median"]
         assert median["decode_tok_s"] > 0
+        assert median["short_decode_tok_s"] > 0
         assert set(median["prefill_tok_s"]) == {str(n) for n in speed["prompt_lengths"]}
         assert all(v > 0 for v in median["prefill_tok_s"].values())
     assert speed["memory_bandwidth_gbs"]["median"] > 0

@@ -58,6 +58,7 @@ def _speed(w: dict) -> list[str]:
         "engine",
         *(f"prefill {n} (tok/s)" for n in lengths),
         "decode, batch 1 (tok/s)",
+        "decode from a short prompt (tok/s)",
         "share of the bandwidth bound",
     ]
     rows = []
@@ -68,6 +69,7 @@ def _speed(w: dict) -> list[str]:
                 name,
                 *(_f(m["prefill_tok_s"].get(n)) for n in lengths),
                 _f(m["decode_tok_s"], 1),
+                _f(m.get("short_decode_tok_s"), 1),
                 f"{e['bandwidth_fraction']:.0%}",
             ]
         )
@@ -79,7 +81,9 @@ def _speed(w: dict) -> list[str]:
         *_table(header, rows),
         "",
         f"Prefill: logits of the last token only. Decode: {decode.get('tokens')} tokens after a "
-        f"{decode.get('prompt')}-token prompt. Memory read bandwidth (torch): {bw:.1f} GB/s; "
+        f"{decode.get('prompt')}-token prompt, and after a {decode.get('short_prompt')}-token "
+        "one (llama-bench's tg figures start from an empty context). Memory read bandwidth "
+        f"(torch): {bw:.1f} GB/s; "
         f"{format_size(w['weight_bytes_per_token'])} of weights per token, so decode is bound "
         f"near {w['decode_bound_tok_s']:.0f} tok/s (llama.cpp streams its own quantized file).",
     ]

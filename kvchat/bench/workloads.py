@@ -36,7 +36,14 @@ from kvchat.bench.machine import (
     memory_bandwidth_gbs,
     weight_bytes_per_token,
 )
-from kvchat.bench.peers.base import ChatEngine, ChatPeer, NotApplicable, SpeedPeer, TurnResult
+from kvchat.bench.peers.base import (
+    SHORT_DECODE_PROMPT,
+    ChatEngine,
+    ChatPeer,
+    NotApplicable,
+    SpeedPeer,
+    TurnResult,
+)
 from kvchat.bench.peers.kvchat import TURN_TIMEOUT_S, KvchatPeer
 from kvchat.bench.restart_phase import (
     ModelLoad,
@@ -233,6 +240,7 @@ def run_speed(ctx: BenchContext) -> dict:
             return {
                 "prefill_tok_s": {str(n): v for n, v in s.prefill_tok_s.items()},
                 "decode_tok_s": s.decode_tok_s,
+                "short_decode_tok_s": s.short_decode_tok_s,
             }
 
         return run
@@ -249,7 +257,11 @@ def run_speed(ctx: BenchContext) -> dict:
         entry["weight_bytes_per_token"] = streamed
         entry["bandwidth_fraction"] = entry["median"]["decode_tok_s"] * streamed / (gbs * 1e9)
     out["prompt_lengths"] = list(plan.prefill_lengths)
-    out["decode"] = {"prompt": plan.decode_prompt, "tokens": plan.decode_tokens}
+    out["decode"] = {
+        "prompt": plan.decode_prompt,
+        "short_prompt": SHORT_DECODE_PROMPT,
+        "tokens": plan.decode_tokens,
+    }
     return out
 
 

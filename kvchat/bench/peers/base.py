@@ -41,10 +41,13 @@ class TurnResult:
 
 @dataclass(frozen=True)
 class SpeedResult:
-    """Prefill rate per prompt length (logits of the last token only) and batch-1 decode."""
+    """Prefill rate per prompt length (logits of the last token only) and batch-1 decode,
+    after the long prompt and from a short one (a conversation's start, where attention
+    costs least: what llama-bench's tg figures measure)."""
 
     prefill_tok_s: dict[int, float]
     decode_tok_s: float
+    short_decode_tok_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -138,13 +141,17 @@ class SpeedPeer(Protocol):
     def close(self) -> None: ...
 
 
+SHORT_DECODE_PROMPT = 16  # tokens before the short-context decode
+
+
 class SpeedMeasured:
     """The speed workload, measured the same way for every peer that derives from this.
 
     Each prefill length runs once to set its shape up, then once timed
     (`_prefill_seconds`). Then one batch-1 generation of `decode_tokens` after
-    `decode_prompt` tokens: `_decode_span` gives (time of the first token, time of
-    the last, tokens generated), and the rate counts the tokens after the first.
+    `decode_prompt` tokens, and one after the first `SHORT_DECODE_PROMPT`: `_decode_span`
+    gives (time of the first token, time of the last, tokens generated), and the rate
+    counts the tokens after the first.
     """
 
     def _prefill_seconds(self, ids: Sequence[int]) -> float:
@@ -164,5 +171,10 @@ class SpeedMeasured:
         for n in prefill_lengths:
             self._prefill_seconds(prompt_ids[:n])  # the first call of a shape sets it up
             prefill[n] = n / self._prefill_seconds(prompt_ids[:n])
-        first, last, tokens = self._decode_span(prompt_ids[:decode_prompt], decode_tokens)
-        return SpeedResult(prefill, (tokens - 1) / (last - first) if tokens > 1 else 0.0)
+        long = self._decode_rate(prompt_ids[:decode_prompt], decode_tokens)
+        short = self._decode_rate(prompt_ids[:SHORT_DECODE_PROMPT], decode_tokens)
+        return SpeedResult(prefill, long, short)
+
+    def _decode_rate(self, ids: Sequence[int], tokens: int) -> float:
+        first, last, made = self._decode_span(ids, tokens)
+        return (made - 1) / (last - first) if made > 1 else 0.0
