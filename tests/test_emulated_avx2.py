@@ -122,3 +122,30 @@ def test_the_start_up_line_names_the_avx2_kernels(emulated_env, default_gguf_pat
     line = next(line for line in done.stderr.splitlines() if "attention:" in line)
     assert "kvchat's CPU kernels (avx2)" in line, line
     assert "(float32 on cpu)" in done.stderr, done.stderr[-2000:]  # no native bf16 here
+
+
+def test_the_kernels_pass_their_correctness_tests_built_for_avx2(emulated_env) -> None:
+    """The attention and quantized-product checks against float64 references, run again
+    with the library compiled for x86-64-v3: its AVX2 paths (two 8-float vectors for the
+    attention's 16, the 4-bit and 8-bit loops) are not the ones the native build runs."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_native_attention.py",
+            "tests/test_paged_attention_split.py",
+            "tests/test_quantized_matmul.py",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=emulated_env,  # test_the_kernel_reports_its_vector_path: avx2 there
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " passed" in done.stdout.splitlines()[-1], done.stdout[-500:]

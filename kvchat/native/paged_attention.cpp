@@ -19,7 +19,8 @@
 // result is the same whatever it is batched with.
 //
 // Arithmetic is on 16 floats at a time: AVX-512 intrinsics where the compiler targets
-// them (-march=native), plain loops for it to vectorize elsewhere. No infinity is ever
+// them (-march=native), two AVX2 vectors where it targets AVX2 + FMA (x86-64-v3), plain
+// loops for it to vectorize elsewhere. No infinity is ever
 // produced (-ffast-math assumes none): masked scores are excluded by bounds, not -inf.
 // A decode step's new K/V can come with the call: they are stored at their slots
 // first (a copy, bf16/fp32 stores), which saves the caller four ops a layer.
@@ -44,7 +45,7 @@
 
 #include "element_types.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -64,7 +65,9 @@ constexpr int64_t kFewRows = 8;        // up to this many rows: dot products per
 constexpr int64_t kParallelWork = 2048;  // row-tokens below which one thread does it all
 constexpr float kNoScore = -1e30f;
 
-// ---- 16 floats at a time: AVX-512 where the compiler targets it, plain loops elsewhere.
+// ---- 16 floats at a time: AVX-512 where the compiler targets it, two AVX2 vectors where
+// that is the best it has (the plain loops left a decode's exp and horizontal sums
+// scalar there: attention took 3x its bf16 time on an AVX2 CPU), plain loops elsewhere.
 #if defined(__AVX512F__)
 using V16 = __m512;
 inline V16 vload(const float* p) { return _mm512_loadu_ps(p); }
@@ -97,6 +100,69 @@ inline V16 vselect_le(V16 x, V16 y, V16 a, V16 b) {
 }
 template <typename T>
 inline V16 vconvert(const T* p) { return kvchat::widen16(p); }
+#elif defined(__AVX2__) && defined(__FMA__)
+struct V16 {
+  __m256 lo, hi;
+};
+inline V16 vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, V16 x) { _mm256_storeu_ps(p, x.lo), _mm256_storeu_ps(p + 8, x.hi); }
+inline V16 vset1(float x) { const __m256 v = _mm256_set1_ps(x); return {v, v}; }
+inline V16 vfma(V16 a, V16 b, V16 c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 vsub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline float vsum(V16 x) {
+  const __m256 a = _mm256_add_ps(x.lo, x.hi);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float vhmax(V16 x) {
+  const __m256 a = _mm256_max_ps(x.lo, x.hi);
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+// the AVX-512 path's e^x, lane for lane the same: 2^n built in the exponent bits
+// (n >= -126 after the clamp, so a normal number) where AVX-512 scales by it
+inline __m256 vexp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.54035304e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.33335581e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.61812911e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.55041087e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.40226507e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.93147181e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i exponent = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+inline V16 vexp(V16 x) { return {vexp8(x.lo), vexp8(x.hi)}; }
+// a where x <= y, else b (lane by lane)
+inline V16 vselect_le(V16 x, V16 y, V16 a, V16 b) {
+  return {_mm256_blendv_ps(b.lo, a.lo, _mm256_cmp_ps(x.lo, y.lo, _CMP_LE_OQ)),
+          _mm256_blendv_ps(b.hi, a.hi, _mm256_cmp_ps(x.hi, y.hi, _CMP_LE_OQ))};
+}
+inline V16 vconvert(const float* p) { return vload(p); }
+inline V16 vconvert(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i lo = _mm256_cvtepu16_epi32(_mm256_castsi256_si128(h));
+  const __m256i hi = _mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+}
+inline V16 vconvert(const int8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
 #else
 struct V16 {
   float x[16];
