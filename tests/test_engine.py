@@ -364,3 +364,25 @@ def test_a_launched_engine_takes_the_objects_alive_at_start_out_of_gc_walks(tiny
     finally:
         engine.close()
         gc.unfreeze()
+
+
+def test_the_decode_rate_is_not_diluted_by_the_prefill_before_it(tiny) -> None:
+    """A prompt prefilled over slow steps, then a fast decode: the engine's decode rate
+    counts from the first decode step, so it matches the reply's own rate instead of
+    spreading its tokens over the prefill's seconds ("all 2 tok/s" beside "this 99")."""
+    import time
+
+    config = EngineConfig(
+        device_cache_bytes=16 << 20, host_cache_bytes=0, page_size=16, step_token_budget=16
+    )
+    with Engine(tiny, config, start=False) as engine:
+        got = Collector()
+        engine.submit(GenerationRequest(tuple(range(3, 67)), max_tokens=40, ignore_eos=True), got)
+        while not any(isinstance(e, TokenGenerated) for e in got.events):
+            engine.step()
+            time.sleep(0.15)  # four slow prefill steps: 0.6 s before the first token
+        first = time.monotonic()
+        while not got.done.is_set():
+            engine.step()
+        own = (len(got.wait().generated_ids) - 1) / (time.monotonic() - first)
+        assert engine.stats().decode_tok_s >= 0.5 * own

@@ -106,18 +106,24 @@ async def test_the_sidebar_has_a_legend_and_help_explains_every_glyph_and_figure
             "last hit N%",
             "ctx N%",
             "● unread",
-            "█ active",
-            "▓ cached",
-            "░ free",
+            "■ active",
+            "□ cached",
+            "· free",
             "active/cached/free",
             "Hit rate",
             "Evictions",
             "TTFT",
             "all: tokens a second",
-            "this: the shown session",
+            "this reply: the shown session",
+            "previous turn",
             "—",
         ):
             assert words in text, words
+        # a glyph means one thing: the sidebar's tier blocks appear nowhere in the meters
+        await pilot.press("escape")
+        meters_text = " ".join(str(label.render()) for label in app.meters.query("Label"))
+        meters_text += " ".join(app.meters.values.values())
+        assert "active" in meters_text and not set("█▓▒░") & set(meters_text), meters_text
 
 
 def stored_session_with_a_finished_turn(path) -> None:
@@ -156,12 +162,13 @@ async def test_meters_show_no_figures_of_a_turn_from_before_this_start(tmp_path)
         values = app.meters.values
         assert values["hit-rate"].startswith("last turn —")
         assert values["ttft"] == "—"
-        assert values["decode"] == "all —   this —", values["decode"]
+        assert values["decode"] == "last turn —   all —", values["decode"]
 
         # a new turn: while it streams, "this" is never "—"; once done, its figures show
         await pilot.press(*"again")
         await pilot.press("enter")
         seen: list[str] = []
+        hit_rates: list[str] = []
         await wait_until(pilot, lambda: app.service.session("s1").state != "idle", what="sent")
         for _ in range(12):
             engine.advance(1)
@@ -169,10 +176,16 @@ async def test_meters_show_no_figures_of_a_turn_from_before_this_start(tmp_path)
             app._tick_meters()
             if app.service.session("s1").state != "idle":
                 seen.append(app.meters.values["decode"])
+                hit_rates.append(app.meters.values["hit-rate"])
         await wait_until(pilot, lambda: app.service.session("s1").state == "idle", what="done")
         await wait_until(pilot, lambda: app.meters.values["ttft"] != "—", what="this turn's TTFT")
-        assert seen and all(not v.endswith("this —") for v in seen), seen
+        assert seen and all(v.startswith("this reply ") for v in seen), seen
+        assert all(not v.startswith("this reply —") for v in seen), seen
+        # while the reply is on the way, the turn figures say they are of the turn before
+        assert hit_rates and all(v.startswith("previous turn") for v in hit_rates), hit_rates
+        assert app.meters.values["hit-rate"].startswith("last turn ")
         assert not app.meters.values["hit-rate"].startswith("last turn —")
+        assert app.meters.values["ttft"].startswith("last turn ")
 
 
 async def test_a_key_remapped_onto_another_actions_key_is_refused_and_reported():

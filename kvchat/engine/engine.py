@@ -24,7 +24,6 @@ import gc
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -63,6 +62,7 @@ from kvchat.model.batch import ForwardBatch
 from kvchat.model.detokenizer import IncrementalDetokenizer
 from kvchat.model.device import dtype_name
 from kvchat.native import build as native_build
+from kvchat.rate_window import RateWindow
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ NON_FINITE_LOGITS = (
     "the model."
 )
 RATE_WINDOW_S = 5.0
+DECODE_TOKENS, PREFILL_TOKENS = 0, 1  # the kinds `_rates` counts
 
 
 @dataclass(frozen=True)
@@ -171,9 +172,7 @@ class Engine:
         self._seqs: dict[int, Sequence] = {}
         self._stopping = False
         self._generated = 0
-        self._rates: deque[tuple[float, int, int]] = (
-            deque()
-        )  # (time, decode tokens, prefill tokens)
+        self._rates = RateWindow(RATE_WINDOW_S, kinds=2)  # decode tokens, prefill tokens
         self._idle = IdleHousekeeping(self.store)
         self._heap = HeapTrim()
         self._stats = EngineStats(page_size=ps)
@@ -331,7 +330,7 @@ class Engine:
         scheduled = self._schedule()
         if scheduled is None:
             return self._idle_step()
-        started = time.perf_counter()
+        started = time.monotonic()
         logits = self._run(scheduled)
         if logits is not None:
             self._postprocess(scheduled, logits, started)
@@ -373,13 +372,13 @@ class Engine:
         """Commit the step's K/V, sample and stream tokens, feed the pacers, publish stats."""
         plan, draft = step.plan, step.draft
         with self._lock:
-            self._after_forward(plan, logits)
-            seconds = time.perf_counter() - started
+            self._after_forward(plan, logits, started)
+            seconds = time.monotonic() - started
             if draft is None:
                 self.scheduler.pacer.observe(plan.kind, seconds)
             else:
                 self.drafts.finish_step(draft, self.table)
-                self._rates[-1] = (*self._rates[-1][:2], self._rates[-1][2] + draft.n)
+                self._rates.add_to_last(PREFILL_TOKENS, draft.n)
                 if plan.runs:  # beside decodes: what the draft chunk cost the streams
                     decode_s = self.scheduler.pacer.decode_step_s
                     self.drafts.pacer.observe(seconds, decode_s, draft.n)
@@ -503,7 +502,7 @@ class Engine:
             else RequestState.DECODING
         )
 
-    def _after_forward(self, plan: StepPlan, logits: torch.Tensor) -> None:
+    def _after_forward(self, plan: StepPlan, logits: torch.Tensor, started: float) -> None:
         now = time.monotonic()
         logits = logits.cpu()
         all_finite = bool(torch.isfinite(logits).all())  # one check a step; per row only if not
@@ -528,7 +527,7 @@ class Engine:
             token = sample_next(logits[row], seq.request.sampling, seq.generator, seq.tokens)
             row += 1
             self._append_token(seq, token, now)
-        self._rates.append((now, decode_tokens, prefill_tokens))
+        self._rates.add(now, decode_tokens, prefill_tokens, started=started)
         for seq in list(self.scheduler.running):
             if (
                 seq.since_admission >= self.config.max_rq_tokens
@@ -612,11 +611,8 @@ class Engine:
 
     def _publish_stats(self) -> None:
         now = time.monotonic()
-        while self._rates and self._rates[0][0] < now - RATE_WINDOW_S:
-            self._rates.popleft()
-        span = max(now - self._rates[0][0], 1e-3) if len(self._rates) > 1 else 0.0
-        decode_rate = sum(r[1] for r in self._rates) / span if span else 0.0
-        prefill_rate = sum(r[2] for r in self._rates) / span if span else 0.0
+        decode_rate = self._rates.rate(now, DECODE_TOKENS) or 0.0
+        prefill_rate = self._rates.rate(now, PREFILL_TOKENS) or 0.0
         t = self.table.stats()
         pages = {"device": t.device, "host": t.host, "disk": TierPages()}  # disk: off
         disk_bytes, disk_dropped, notice = DiskBytes(), 0, None

@@ -22,7 +22,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -40,6 +39,7 @@ from kvchat.engine.api import (
     Residency,
     TokenGenerated,
 )
+from kvchat.rate_window import RateWindow
 from kvchat.remote.metrics import MetricsPoller, ServerMetrics
 from kvchat.remote.server import CACHE_REPORT_FLAGS, RemoteServer, ServerInfo
 
@@ -132,7 +132,7 @@ class RemoteEngine:
         self._lock = threading.Lock()
         self._live: dict[int, _Live] = {}
         self._prompt = self._cached = self._prefilled = self._generated = 0
-        self._token_times: deque[tuple[float, int]] = deque()
+        self._token_rate = RateWindow(RATE_WINDOW_S)  # token arrivals
         self.poller: MetricsPoller | None = None
         if info.has_metrics:
             self.poller = MetricsPoller(server.metrics_text, info.kind).start()
@@ -205,9 +205,7 @@ class RemoteEngine:
     def stats(self) -> RemoteStats:
         now = time.monotonic()
         with self._lock:
-            while self._token_times and self._token_times[0][0] < now - RATE_WINDOW_S:
-                self._token_times.popleft()
-            recent = sum(n for _, n in self._token_times)
+            decode_rate = self._token_rate.rate(now) or 0.0
             running = len(self._live)
             totals = (self._prompt, self._cached, self._prefilled, self._generated)
         prompt, cached, prefilled, generated = totals
@@ -217,7 +215,7 @@ class RemoteEngine:
             prefilled_tokens=prefilled,
             generated_tokens=generated,
             requests={"running": running},
-            decode_tok_s=recent / RATE_WINDOW_S,
+            decode_tok_s=decode_rate,
             time=now,
             engine=self.describe_engine(),
             server=self.poller.latest if self.poller else None,
@@ -322,7 +320,7 @@ class RemoteEngine:
                             text.append(piece)
                             deltas += 1
                             with self._lock:
-                                self._token_times.append((now, 1))
+                                self._token_rate.add(now, 1)
                             emit(TokenGenerated(request_id, piece, (), now))
                         if choice.finish_reason:
                             reason = _FINISH.get(choice.finish_reason, FinishReason.STOP)

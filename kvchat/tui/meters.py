@@ -24,25 +24,32 @@ from kvchat.units import format_size
 
 BAR_WIDTH = 14
 SPARK_POINTS = 40
-HELP = """Cache meters (right panel):
+HELP = """Cache meters (right panel). "last turn" is the shown session's last finished
+turn; while it has a reply on the way, its figures say "previous turn": they are of the
+turn before that reply, which gets its own once it ends.
   Hit rate      the share of prompt tokens served from the KV cache instead of computed:
                 for the shown session's last turn, and overall since kvchat started
-  Pages         each tier's pages: █ active (held by a running reply), ▓ cached (kept
-                for reuse), ░ free; the figures below the bar are active/cached/free;
+                (overall counts a reply's prompt as soon as it is admitted)
+  Pages         each tier's pages: ■ active (held by a running reply), □ cached (kept
+                for reuse), · free; the figures below the bar are active/cached/free;
                 "off" when the tier is turned off
   Evictions     pages pushed out since start: to host (device to host tier), dropped
                 (gone from every tier: computed again if needed); then the rate per
                 second now, and its recent history as a sparkline
   TTFT          time to the first token of the shown session's last turn
-  Decode tok/s  all: tokens a second over every session in the last few seconds;
-                this: the shown session's reply as it streams, or its last turn's rate
+  Decode tok/s  this reply: the shown session's reply as it streams (or "last turn":
+                its last turn's rate); all: tokens a second of every session together,
+                over the last few seconds, counted from when decoding began
   —             no figure yet (nothing measured since kvchat started)
 Figures of turns from before this start are not shown: they would describe a cache
 that no longer exists."""
 
 
+ACTIVE, CACHED, FREE = "■", "□", "·"  # not the sidebar's █▓▒░, which mean tiers
+
+
 def tier_bar(pages: TierPages | None, width: int = BAR_WIDTH) -> Content:
-    """active (█) / cached (▓) / free (░) pages, proportional to the tier's capacity."""
+    """active / cached / free pages, proportional to the tier's capacity."""
     if pages is None or pages.capacity == 0:
         return Content.from_markup("[$text-muted]" + "·" * width)
     cap = pages.capacity
@@ -54,8 +61,13 @@ def tier_bar(pages: TierPages | None, width: int = BAR_WIDTH) -> Content:
         cached = 1
     free = width - active - cached
     return Content.from_markup(
-        f"[$accent]{'█' * active}[/][$primary]{'▓' * cached}[/][$text-muted]{'░' * free}[/]"
+        f"[$accent]{ACTIVE * active}[/][$primary]{CACHED * cached}[/][$text-muted]{FREE * free}[/]"
     )
+
+
+def _which_turn(view: SessionView | None) -> str:
+    """What the last-turn figures are of: with a reply on the way, the turn before it."""
+    return "previous turn" if view is not None and view.state != "idle" else "last turn"
 
 
 def _pct(value: float | None) -> str:
@@ -88,12 +100,12 @@ class Meters(Vertical):
         self.sparkline = Sparkline(list(self.eviction_rates), id="meter-eviction-rate")
         yield Label("Hit rate", classes="meter-label")
         yield self.fields["hit-rate"]
-        yield Label("Pages █ active ▓ cached ░ free", classes="meter-label")
+        yield Label(f"Pages {ACTIVE} active {CACHED} cached {FREE} free", classes="meter-label")
         yield self.fields["pages"]
         yield Label("Evictions", classes="meter-label")
         yield self.fields["evictions"]
         yield self.sparkline
-        yield Label("TTFT (last turn)", classes="meter-label")
+        yield Label("TTFT", classes="meter-label")
         yield self.fields["ttft"]
         yield Label("Decode tok/s", classes="meter-label")
         yield self.fields["decode"]
@@ -126,7 +138,8 @@ class Meters(Vertical):
         if not_reported:
             self._set("hit-rate", not_reported)
         else:
-            self._set("hit-rate", f"last turn {_pct(last_hit)}   overall {_pct(overall)}")
+            which = _which_turn(view)
+            self._set("hit-rate", f"{which} {_pct(last_hit)}   overall {_pct(overall)}")
         if getattr(stats, "engine", None):  # a remote server: what its /metrics say
             self._set("pages", stats.pages_note)  # type: ignore[attr-defined]
             self._set("evictions", stats.evictions_note)  # type: ignore[attr-defined]
@@ -170,9 +183,14 @@ class Meters(Vertical):
 
     def _set_speeds(self, stats, view, last, session_rate: float | None) -> None:
         ttft = last.ttft_s if last is not None else None
-        self._set("ttft", "—" if ttft is None else f"{ttft * 1000:,.0f} ms")
+        which = _which_turn(view)
+        self._set("ttft", "—" if ttft is None else f"{which} {ttft * 1000:,.0f} ms")
         overall_rate = _rate(stats.decode_tok_s or None)  # 0: nothing decoded lately
-        self._set("decode", f"all {overall_rate}   this {self._this_rate(view, session_rate)}")
+        if view is not None and view.state == "idle":
+            this = f"last turn {self._this_rate(view, session_rate)}"
+        else:
+            this = f"this reply {self._this_rate(view, session_rate)}"
+        self._set("decode", f"{this}   all {overall_rate}")
 
     def _this_rate(self, view: SessionView | None, session_rate: float | None) -> str:
         """The shown session's rate: live while it streams (the last figure between two

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
+
+from kvchat.rate_window import RateWindow
 
 RATE_WINDOW_S = 2.0
 
@@ -41,7 +42,7 @@ class StreamBuffer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._replies: dict[str, _Reply] = {}  # message id -> its reply
-        self._token_times: dict[str, deque[tuple[float, int]]] = {}  # session -> (t, tokens)
+        self._token_rates: dict[str, RateWindow] = {}  # session -> its tokens' arrivals
 
     def add(self, session_id: str, message_id: str, text: str, tokens: int) -> None:
         now = time.monotonic()
@@ -53,10 +54,10 @@ class StreamBuffer:
                 reply.pending_start = reply.received
             reply.pending.append(text)
             reply.received += len(text)
-            times = self._token_times.setdefault(session_id, deque())
-            times.append((now, tokens))
-            while times and now - times[0][0] > RATE_WINDOW_S:
-                times.popleft()
+            rates = self._token_rates.get(session_id)
+            if rates is None:
+                rates = self._token_rates[session_id] = RateWindow(RATE_WINDOW_S)
+            rates.add(now, tokens)
 
     def take(self, session_id: str) -> list[Chunk]:
         """The pending text of `session_id`'s replies (cleared); other sessions' is dropped."""
@@ -75,14 +76,6 @@ class StreamBuffer:
 
     def session_rate(self, session_id: str) -> float | None:
         """Tokens per second this session received over the last couple of seconds."""
-        now = time.monotonic()
         with self._lock:
-            times = self._token_times.get(session_id)
-            if not times:
-                return None
-            while times and now - times[0][0] > RATE_WINDOW_S:
-                times.popleft()
-            if len(times) < 2:
-                return None
-            span = max(now - times[0][0], 1e-3)
-            return sum(n for _, n in times) / span
+            rates = self._token_rates.get(session_id)
+            return rates.rate(time.monotonic()) if rates is not None else None
