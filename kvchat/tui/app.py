@@ -214,7 +214,7 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
                 with Vertical(id="composer-box"):
                     yield self.composer
             yield self.meters
-        yield Footer()
+        yield Footer(compact=True)  # every shown key fits in 100 columns
 
     # ---------------------------------------------------------------- themes
 
@@ -853,6 +853,11 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen(self.keymap))
+
+    def action_toggle_meters(self) -> None:
+        """Show or hide the meters. Under 120 columns they are hidden to begin with, and
+        shown they take the sidebar's place (the transcript keeps its width)."""
+        self.screen.toggle_class("-meters-toggled")
 
     async def action_quit(self) -> None:
         self.exit(self.exit_code, return_code=self.exit_code)

@@ -40,7 +40,8 @@ APP_KEYS: tuple[KeySpec, ...] = (
     KeySpec("delete", "f8", "delete", "Delete"),
     KeySpec("undo", "f9", "undo", "Undo"),
     KeySpec("copy_reply", "f4", "copy_reply", "Copy reply"),
-    KeySpec("attach", "ctrl+o", "attach", "Attach file", show=True),
+    KeySpec("attach", "ctrl+o", "attach", "Attach", show=True),
+    KeySpec("toggle_meters", "f7", "toggle_meters", "Meters"),
     # the transcript scrolls from wherever the focus is (the composer, mostly)
     KeySpec("scroll_up", "pageup", "scroll_transcript(-1)", "Scroll up"),
     KeySpec("scroll_down", "pagedown", "scroll_transcript(1)", "Scroll down"),

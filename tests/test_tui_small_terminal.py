@@ -1,0 +1,82 @@
+"""At 100x30, where the meters give their room to the transcript: the footer's keys all
+fit, a key brings the meters back, notices leave the composer readable, and help
+scrolls to its last line."""
+
+from __future__ import annotations
+
+from textual.widgets import Footer
+from textual.widgets._footer import FooterKey
+
+from kvchat.testing.tui import fake_app, ready, wait_until
+from kvchat.tui.screens import HelpScreen
+
+SMALL = (100, 30)
+WIDE = (150, 45)
+
+
+async def test_every_footer_key_fits_in_100_columns() -> None:
+    app, _ = fake_app()
+    async with app.run_test(size=SMALL) as pilot:
+        await ready(pilot, app)
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: app.current is not None, what="a session")
+        keys = list(app.query_one(Footer).query(FooterKey))
+        assert len(keys) >= 8
+        assert all(key.region.x >= 0 and key.region.right <= SMALL[0] for key in keys), [
+            (key.description, key.region) for key in keys
+        ]
+        assert all(key.region.width > 0 for key in keys)
+
+
+async def test_the_meters_key_shows_them_on_a_small_screen_and_hides_them_on_a_wide_one() -> None:
+    app, _ = fake_app()
+    async with app.run_test(size=SMALL) as pilot:
+        await ready(pilot, app)
+        assert not app.meters.display or app.meters.region.width == 0
+        await pilot.press("f7")
+        await wait_until(pilot, lambda: app.meters.region.width > 0, what="the meters shown")
+        assert app.sidebar.region.width == 0  # in the sidebar's place
+        assert app.transcript.region.width >= 60
+        await pilot.press("f7")
+        await wait_until(pilot, lambda: app.sidebar.region.width > 0, what="the sidebar back")
+        assert app.meters.region.width == 0
+    app, _ = fake_app()
+    async with app.run_test(size=WIDE) as pilot:
+        await ready(pilot, app)
+        assert app.meters.region.width > 0
+        await pilot.press("f7")
+        await wait_until(pilot, lambda: app.meters.region.width == 0, what="the meters hidden")
+        assert app.sidebar.region.width > 0
+
+
+async def test_a_notice_does_not_cover_the_composer() -> None:
+    app, _ = fake_app()
+    async with app.run_test(size=SMALL, notifications=True) as pilot:
+        await ready(pilot, app)
+        app.notify("A notice long enough to need a few lines of the toast's width, at least")
+        toasts = []
+
+        def shown() -> bool:
+            toasts[:] = [w for w in app.screen.query("Toast") if w.region.height > 0]
+            return bool(toasts)
+
+        await wait_until(pilot, shown, what="the notice")
+        composer = app.composer.region
+        assert all(not toast.region.overlaps(composer) for toast in toasts), (
+            [t.region for t in toasts],
+            composer,
+        )
+
+
+async def test_help_scrolls_to_its_last_line_on_a_small_screen() -> None:
+    app, _ = fake_app()
+    async with app.run_test(size=SMALL) as pilot:
+        await ready(pilot, app)
+        await pilot.press("f1")
+        await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen), what="help")
+        scroll = app.screen.query_one("#help")
+        await wait_until(pilot, lambda: scroll.max_scroll_y > 0, what="help laid out")
+        assert scroll.show_vertical_scrollbar  # there is more below, and it shows
+        assert app.focused is scroll  # the page keys scroll it at once
+        await pilot.press("end")
+        await wait_until(pilot, lambda: scroll.scroll_y == scroll.max_scroll_y, what="the end")
