@@ -40,7 +40,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.request import SamplingParams
 from kvchat.model.loader import load_model
 from kvchat.native import build
-from kvchat.testing.tui import ready, wait_until
+from kvchat.testing.tui import new_sessions, ready, wait_until
 from kvchat.tui import transcript
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.backend import TuiBackend
@@ -144,11 +144,7 @@ async def under_tui() -> tuple[float, float]:
     async with app.run_test(size=(160, 45)) as pilot:
         await ready(pilot, app)
         app.service.subscribe(recorder(times))
-        ids = []
-        for i in range(SESSIONS):
-            await pilot.press("ctrl+n")
-            await wait_until(pilot, lambda n=i + 1: len(app.sidebar.order) == n, 30)
-            ids.append(app.current)
+        ids = await new_sessions(pilot, app, SESSIONS)
         # Waiting for the replies must not cost the UI thread anything a user's session
         # would not: polling `pilot.pause()` walks every message pump for idleness, ~7% of
         # the UI thread while the replies stream. The recorder (on the service's thread)

@@ -19,7 +19,7 @@ from kvchat.chat.session import MessageState
 from kvchat.chat.settings import Settings
 from kvchat.chat.store import MessageRecord, SessionRecord, Store
 from kvchat.errors import ModelLoadError
-from kvchat.testing.tui import fake_app, ready, wait_until
+from kvchat.testing.tui import fake_app, new_sessions, ready, wait_until
 from kvchat.tui.app import GIL_SWITCH_INTERVAL_S, KvchatApp
 from kvchat.tui.screens import FailedStartScreen, StartupScreen
 from kvchat.tui.sidebar import SessionList
@@ -53,8 +53,9 @@ async def test_sessions_stream_switch_stop_regenerate_fork_archive_and_attach(tm
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
         service = app.service
-        for _ in range(3):
-            await pilot.press("ctrl+n")
+        await pilot.press("ctrl+n")  # the key makes the first; an empty one is reused after
+        await wait_until(pilot, lambda: len(app.sidebar.order) == 1, what="a session")
+        await new_sessions(pilot, app, 2)
         await wait_until(pilot, lambda: len(app.sidebar.order) == 3, what="three sessions")
         first, second, third = app.sidebar.order  # creation order, numbered 1, 2, 3
         assert app.current == third
@@ -322,7 +323,8 @@ async def test_bad_settings_are_reported_and_keys_remap_by_id():
         assert any("line 3" in t for t in texts)
         assert any("no_such_action" in t for t in texts)
         await pilot.press("ctrl+n")
-        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: len(app.sidebar.order) == 1)
+        await new_sessions(pilot, app, 1)
         await wait_until(pilot, lambda: len(app.sidebar.order) == 2)
         older, newest = app.sidebar.order
         assert app.current == newest
@@ -395,3 +397,37 @@ async def test_the_gil_hands_over_every_millisecond_while_the_app_runs():
         await ready(pilot, app)
         assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S)
     assert sys.getswitchinterval() == pytest.approx(before)
+
+
+async def test_new_session_reuses_an_empty_one_instead_of_piling_them_up():
+    """ctrl+n on an empty session stays there; from a session with messages it goes to
+    the empty one already listed; text typed into a session makes it not empty."""
+    app, _ = fake_app(tokens_per_reply=3)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: app.current is not None, what="a session")
+        empty = app.current
+        for _ in range(3):
+            await pilot.press("ctrl+n")
+            await pilot.pause()
+        assert app.sidebar.order == [empty] and app.current == empty
+
+        await type_and_send(pilot, "hello")
+        await wait_until(pilot, lambda: app.service.session(empty).state == "idle", what="reply")
+        await wait_until(pilot, lambda: app.service.session(empty).message_count == 2, what="kept")
+        await pilot.press("ctrl+n")  # from a chat with messages: a new, empty one
+        await wait_until(pilot, lambda: len(app.sidebar.order) == 2, what="a second session")
+        second = app.current
+        assert second != empty
+        await pilot.press(*"half a thought")  # typed, not sent: this one is in use
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: len(app.sidebar.order) == 3, what="a third session")
+        third = app.current
+        await pilot.press("alt+1")
+        assert app.current == empty
+        await pilot.press("ctrl+n")  # the empty one listed is reused
+        await wait_until(pilot, lambda: app.current == third, what="the empty session")
+        assert len(app.sidebar.order) == 3
+        await pilot.press("alt+2")
+        assert app.composer.text == "half a thought"

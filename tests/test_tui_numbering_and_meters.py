@@ -10,7 +10,7 @@ from kvchat.chat.session import CachedTokens, TurnStats
 from kvchat.chat.settings import Settings
 from kvchat.chat.store import MessageRecord, SessionRecord, Store
 from kvchat.remote.engine import RemoteStats
-from kvchat.testing.tui import fake_app, ready, wait_until
+from kvchat.testing.tui import fake_app, new_sessions, ready, wait_until
 from kvchat.tui.keys import check_keymap
 from kvchat.tui.screens import HelpScreen
 from kvchat.tui.sidebar import LEGEND, REMOTE_LEGEND
@@ -28,7 +28,7 @@ async def test_a_new_session_takes_the_next_number_and_never_renumbers_the_other
         await ready(pilot, app)
         created = []
         for n in range(1, 4):
-            await pilot.press("ctrl+n")
+            await new_sessions(pilot, app, 1)
             await wait_until(pilot, lambda n=n: len(app.sidebar.order) == n, what=f"{n} rows")
             created.append(app.current)
             assert [row_number(app, s) for s in created] == [str(i) for i in range(1, n + 1)]
@@ -47,7 +47,7 @@ async def test_archiving_or_deleting_a_session_never_renumbers_the_others(tmp_pa
         await ready(pilot, app)
         created = []
         for n in range(1, 5):
-            await pilot.press("ctrl+n")
+            await new_sessions(pilot, app, 1)
             await wait_until(pilot, lambda n=n: len(app.sidebar.order) == n, what=f"{n} rows")
             created.append(app.current)
         for key, gone in (("f6", created[1]), ("f8", created[2])):
@@ -59,7 +59,7 @@ async def test_archiving_or_deleting_a_session_never_renumbers_the_others(tmp_pa
         assert shown == {created[0]: "1", created[3]: "4"}
         await pilot.press("alt+4")
         assert app.current == created[3]
-        await pilot.press("ctrl+n")
+        await new_sessions(pilot, app, 1)
         await wait_until(pilot, lambda: len(app.sidebar.order) == 3, what="a new row")
         newest = app.current
         assert row_number(app, newest) == "2"  # the lowest number no listed session holds
@@ -225,8 +225,7 @@ async def test_a_long_title_keeps_every_row_three_lines_current_or_not():
     app, _ = fake_app()
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot, app)
-        for _ in range(2):
-            await pilot.press("ctrl+n")
+        await new_sessions(pilot, app, 2)
         await wait_until(pilot, lambda: len(app.sidebar.order) == 2, what="two rows")
         first, second = app.sidebar.order
         app.service.rename(first, "a title long enough to wrap in the sidebar")

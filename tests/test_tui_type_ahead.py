@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvchat.testing.tui import fake_app, ready, wait_until
+from kvchat.testing.tui import fake_app, new_sessions, ready, wait_until
 from kvchat.tui.type_ahead import DraftTimer, ready_label
 
 SIZE = (150, 45)
@@ -66,8 +66,7 @@ async def test_switching_away_cancels_the_draft_and_the_text_stays_with_its_sess
     app, engine = fake_app(manual=True)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
-        await pilot.press("ctrl+n")
-        await pilot.press("ctrl+n")
+        await new_sessions(pilot, app, 2)
         await wait_until(pilot, lambda: len(app.sidebar.order) == 2, what="two sessions")
         first = app.current
         app.composer.insert("a question being typed")

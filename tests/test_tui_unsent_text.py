@@ -4,7 +4,7 @@ switches and restarts, and is never sent to another."""
 from __future__ import annotations
 
 from kvchat.chat.store import Store
-from kvchat.testing.tui import fake_app, ready, wait_until
+from kvchat.testing.tui import fake_app, new_sessions, ready, wait_until
 
 SIZE = (150, 45)
 
@@ -14,9 +14,8 @@ async def test_typed_text_stays_with_its_session_across_switches_and_a_restart(t
     app, _ = fake_app(store=Store(path))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
-        for n in (1, 2):
-            await pilot.press("ctrl+n")
-            await wait_until(pilot, lambda n=n: len(app.sidebar.order) == n, what=f"{n} rows")
+        await new_sessions(pilot, app, 2)
+        await wait_until(pilot, lambda: len(app.sidebar.order) == 2, what="two rows")
         first, second = app.sidebar.order
         await pilot.press("alt+1")
         await pilot.press(*"for one")

@@ -75,3 +75,14 @@ async def ready(pilot, app: KvchatApp) -> None:
     await wait_until(
         pilot, lambda: app.serving and app.focused is app.composer, 20, "start-up to end"
     )
+
+
+async def new_sessions(pilot, app: KvchatApp, count: int) -> list[str]:
+    """`count` new sessions, each current in turn, made the way ctrl+n makes one when no
+    empty session is listed (the key itself reuses an empty one, so pressing it twice
+    does not make two). Returns their ids in creation order."""
+    made = []
+    for _ in range(count):
+        made.append(await app.open_new_session())
+        await pilot.pause()
+    return made

@@ -592,13 +592,48 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
 
     @guarded
     async def action_new_session(self) -> None:
+        """A session to type into: an empty one already listed (the current one first)
+        when there is one, so pressing the key again does not pile up empty "New chat"
+        rows; else a new one."""
         if self.service is None:
             return
+        empty = self._empty_session()
+        if empty is None:
+            await self.open_new_session()
+            return
+        if empty != self.current:
+            await self.switch_to(empty)
+        self.composer.focus()
+
+    async def open_new_session(self) -> str:
+        """Create a session, list it, and make it the current one."""
+        assert self.service is not None
         session_id = self.service.create_session(NEW_TITLE)
         self.views[session_id] = self.service.session(session_id)
         await self.refresh_sessions()
         await self.switch_to(session_id)
         self.composer.focus()
+        return session_id
+
+    def _empty_session(self) -> str | None:
+        """A listed session with no message, nothing on the way and nothing typed for it:
+        the current one if it is such, else the first in the list."""
+        assert self.service is not None
+
+        def empty(session_id: str) -> bool:
+            view = self.service.session(session_id)
+            typed = self.composer.text if session_id == self.current else view.unsent
+            return (
+                view.message_count == 0
+                and view.state == "idle"
+                and not view.queued_says
+                and not typed.strip()
+            )
+
+        order = self.sidebar.order
+        if self.current in order and empty(self.current):
+            return self.current
+        return next((session_id for session_id in order if empty(session_id)), None)
 
     def _step(self, delta: int) -> str | None:
         order = self.sidebar.order
