@@ -40,7 +40,7 @@ from kvchat.engine.engine import Engine
 from kvchat.engine.request import SamplingParams
 from kvchat.model.loader import load_model
 from kvchat.native import build
-from kvchat.testing.tui import new_sessions, ready, wait_until
+from kvchat.testing.tui import new_sessions, ready
 from kvchat.tui import transcript
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.backend import TuiBackend
