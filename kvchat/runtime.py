@@ -282,6 +282,7 @@ class OpenedBackend:
     sampling: SamplingParams
     describe: Callable[[], str]  # one line about the model and its cache (never raises)
     close: Callable[[], None]  # stops the engine or closes the connection
+    notices: tuple[str, ...] = ()  # warnings for the user at start (a too-small cache)
 
 
 def open_chat_backend(
@@ -319,7 +320,29 @@ def open_chat_backend(
         except Exception:  # a line of information must never stop the start
             return model.name
 
-    return OpenedBackend(chat, sampling, describe, engine.close)
+    notice = small_cache_notice(engine)
+    if notice is not None:
+        progress(notice)
+    notices = (notice,) if notice is not None else ()
+    return OpenedBackend(chat, sampling, describe, engine.close, notices)
+
+
+def small_cache_notice(engine) -> str | None:
+    """A warning when the device cache holds fewer tokens than the model's context: a
+    conversation longer than the cache can never be answered (every page of a sequence
+    is on the device while it runs), and a user who set 48MiB learns it at start rather
+    than at the turn that fails, with the size that would hold a whole context."""
+    page_size = engine.config.page_size
+    holds = engine.store.num_pages * page_size
+    context = engine.context_length
+    if holds >= context:
+        return None
+    whole = -(-context // page_size) * engine.store.page_bytes()
+    return (
+        f"The device cache holds {holds:,} tokens, fewer than the model's context "
+        f"({context:,}): a conversation longer than {holds:,} tokens cannot be answered. "
+        f"--device-cache {-(-whole // 2**20)}MiB holds a whole context."
+    )
 
 
 def describe_cache(engine) -> str:

@@ -60,3 +60,49 @@ async def test_the_tui_shows_a_long_error_whole() -> None:
         assert header.size.height >= 2  # wrapped, not cut at the transcript's edge
         shown = " ".join(app.export_screenshot().replace("&#160;", " ").split())
         assert "END-OF-MESSAGE" in shown
+
+
+def test_a_prompt_that_can_never_fit_names_a_device_cache_that_holds_it(tiny) -> None:
+    """The size the message names is enough: the same prompt is answered with it."""
+    import re
+
+    prompt = list(range(3, 103))  # 100 tokens against a cache of 64
+    finished = run(tiny, prompt, max_tokens=4)
+    assert finished.reason == FinishReason.ERROR
+    assert "does not fit in the device cache" in finished.error
+    named = re.search(r"--device-cache (\d+)MiB", finished.error)
+    assert named, finished.error
+    assert "edit the last message" in finished.error
+    with small_engine(
+        tiny, device_cache_bytes=int(named.group(1)) << 20, host_cache_bytes=0
+    ) as engine:
+        collector = Collector()
+        engine.submit(GenerationRequest(tuple(prompt), max_tokens=4, ignore_eos=True), collector)
+        assert collector.wait().reason != FinishReason.ERROR
+
+
+def test_a_device_cache_smaller_than_the_context_is_announced_at_start(tiny) -> None:
+    from kvchat.runtime import small_cache_notice
+
+    per_token = 2 * tiny.config.num_layers * tiny.config.num_kv_heads * tiny.config.head_dim * 4
+    with small_engine(tiny, device_cache_bytes=4 * 16 * per_token, host_cache_bytes=0) as engine:
+        notice = small_cache_notice(engine)
+        assert notice is not None and "holds 64 tokens" in notice, notice
+        assert f"context ({engine.context_length:,})" in notice
+        assert "--device-cache " in notice
+    whole = engine.context_length * per_token
+    with small_engine(tiny, device_cache_bytes=whole + 16 * per_token) as engine:
+        assert small_cache_notice(engine) is None
+
+
+async def test_the_tui_shows_the_start_notices_as_warnings() -> None:
+    app, _ = fake_app(notices=("The device cache holds 64 tokens, fewer than the context",))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot, app)
+        await wait_until(
+            pilot,
+            lambda: any("holds 64 tokens" in n.message for n in app._notifications),
+            what="the notice",
+        )
+        notice = next(n for n in app._notifications if "holds 64 tokens" in n.message)
+        assert notice.severity == "warning"

@@ -414,10 +414,18 @@ class Engine:
                 "device cache holds, so it stopped here (the text so far is kept). To go on, "
                 "raise --device-cache, or lower the reply's max tokens."
             )
+        return self._prompt_too_big_message(seq.prompt_len)
+
+    def _prompt_too_big_message(self, prompt_len: int) -> str:
+        """A prompt larger than the whole device cache: the size that would hold it."""
+        capacity = self.store.num_pages * self.config.page_size
+        pages = prompt_len // self.config.page_size + 1  # with room for the first token
+        needed_mib = -(-pages * self.store.page_bytes() // 2**20)
         return (
-            f"The prompt ({seq.prompt_len:,} tokens) does not fit in the device cache "
-            f"({capacity:,} tokens) even when it is empty; raise --device-cache or shorten "
-            "the conversation."
+            f"The prompt ({prompt_len:,} tokens) does not fit in the device cache "
+            f"({capacity:,} tokens) even when it is empty; start kvchat with --device-cache "
+            f"{needed_mib}MiB or more, or shorten the conversation (edit the last message, or "
+            "fork at an earlier one)."
         )
 
     def _plan_draft(self, plan: StepPlan) -> DraftRun | None:
@@ -476,12 +484,8 @@ class Engine:
         vocab = self.model.config.vocab_size
         if max(tokens) >= vocab or min(tokens) < 0:
             return "The prompt has token ids outside the model's vocabulary (another model's ids?)."
-        pages_needed = n // self.config.page_size + 1
-        if pages_needed > self.table.num_pages:
-            return (
-                f"The prompt needs {pages_needed} pages but the device cache has "
-                f"{self.table.num_pages}; raise --device-cache."
-            )
+        if n // self.config.page_size + 1 > self.table.num_pages:
+            return self._prompt_too_big_message(n)
         return None
 
     def _on_admitted(self, seq: Sequence, reservation) -> None:

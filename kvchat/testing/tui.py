@@ -38,6 +38,7 @@ def fake_app(
     settings_problem: str | None = None,
     describe: Callable[[], str] | None = None,
     loaded: threading.Event | None = None,
+    notices: tuple[str, ...] = (),
     **engine_kwargs: object,
 ) -> tuple[KvchatApp, FakeEngine]:
     """A `KvchatApp` over a `FakeEngine` (returned for `advance()` in manual mode).
@@ -54,6 +55,7 @@ def fake_app(
         description="fake engine",
         describe=describe,
         close=engine.close,
+        notices=notices,
     )
 
     def load(progress: Callable[[str], None]) -> TuiBackend:

@@ -323,6 +323,8 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
         # Focus first: what a user types while the sessions are listed must reach the composer.
         self.composer.focus()
         self.meters.set_cache_note(message.backend.description)
+        for notice in message.backend.notices:
+            self.notify(notice, severity="warning", timeout=20)
         views = self._list_views()
         await self.sidebar.set_sessions(views)
         recent = max(views, key=lambda v: v.updated, default=None)

@@ -29,6 +29,7 @@ class TuiBackend:
     # the same line as it is now (the attention kernel may finish compiling after start)
     describe: Callable[[], str] | None = None
     close: Callable[[], None] = lambda: None  # stops the engine
+    notices: tuple[str, ...] = ()  # shown as warnings once kvchat is ready
 
 
 BackendFactory = Callable[[Progress], TuiBackend]
@@ -56,4 +57,5 @@ def start_real_backend(
         description=backend.describe(),
         describe=backend.describe,
         close=backend.close,
+        notices=backend.notices,
     )
