@@ -417,12 +417,12 @@ async def test_new_session_reuses_an_empty_one_instead_of_piling_them_up():
         await wait_until(pilot, lambda: app.service.session(empty).state == "idle", what="reply")
         await wait_until(pilot, lambda: app.service.session(empty).message_count == 2, what="kept")
         await pilot.press("ctrl+n")  # from a chat with messages: a new, empty one
-        await wait_until(pilot, lambda: len(app.sidebar.order) == 2, what="a second session")
+        await wait_until(pilot, lambda: len(app.sidebar.order) == 2, what="session two")
         second = app.current
         assert second != empty
         await pilot.press(*"half a thought")  # typed, not sent: this one is in use
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: len(app.sidebar.order) == 3, what="a third session")
+        await wait_until(pilot, lambda: len(app.sidebar.order) == 3, what="session three")
         third = app.current
         await pilot.press("alt+1")
         assert app.current == empty
