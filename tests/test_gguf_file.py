@@ -15,6 +15,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from kvchat.errors import ModelLoadError  # noqa: E402
+from kvchat.model.config import ModelConfig  # noqa: E402
 from kvchat.model.gguf_convert import (  # noqa: E402
     gguf_state_dict,
     gguf_to_hf_config,
@@ -199,14 +200,17 @@ def tiny_model(tmp_path: Path, arch: str, *, tied: bool, biases: bool = False):
                 b = rng.standard_normal(rows)
                 hf[f"model.layers.{layer}.{hf_name}.bias"] = b
                 tensors[f"blk.{layer}.{gguf_name}.bias"] = b
-        for gguf_name, hf_name in (
-            ("attn_norm", "input_layernorm"),
-            ("ffn_norm", "post_attention_layernorm"),
-        ):
+        norms = [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")]
+        for gguf_name, hf_name in norms:
             w = rng.standard_normal(HIDDEN)
             hf[f"model.layers.{layer}.{hf_name}.weight"] = tensors[
                 f"blk.{layer}.{gguf_name}.weight"
             ] = w
+        if arch == "qwen3":  # one weight of head_dim for every head of q, one for k
+            for gguf_name, hf_name in (("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
+                w = rng.standard_normal(HEAD_DIM)
+                hf[f"model.layers.{layer}.self_attn.{hf_name}.weight"] = w
+                tensors[f"blk.{layer}.{gguf_name}.weight"] = w
     metadata = {
         f"{arch}.block_count": ("uint32", 2),
         f"{arch}.context_length": ("uint32", 256),
@@ -219,6 +223,9 @@ def tiny_model(tmp_path: Path, arch: str, *, tied: bool, biases: bool = False):
         "tokenizer.ggml.bos_token_id": ("uint32", 1),
         "tokenizer.ggml.eos_token_id": ("uint32", 2),
     }
+    if arch == "qwen3":  # its head_dim is its own (not hidden / heads): the file says it
+        metadata[f"{arch}.attention.key_length"] = ("uint32", HEAD_DIM)
+        metadata[f"{arch}.attention.value_length"] = ("uint32", HEAD_DIM)
     as_f32 = {k: v.astype(np.float32) for k, v in tensors.items()}
     path = write_gguf(tmp_path / f"{arch}.gguf", arch, metadata, as_f32)
     return path, {k: torch.from_numpy(v.astype(np.float32)) for k, v in hf.items()}
@@ -254,6 +261,22 @@ def test_qwen2_state_dict_keeps_q_k_rows_and_yields_biases(tmp_path: Path) -> No
     assert set(got) == set(expected)
     for name, tensor in got.items():
         assert torch.equal(tensor, expected[name]), name
+
+
+def test_qwen3_state_dict_has_the_q_k_norms_and_its_config_the_head_size(tmp_path: Path) -> None:
+    path, expected = tiny_model(tmp_path, "qwen3", tied=True)
+    gguf = GGUFFile.open(path)
+
+    got = dict(gguf_state_dict(gguf, torch.float32))
+
+    assert "model.layers.1.self_attn.q_norm.weight" in got
+    assert set(got) == set(expected)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, expected[name]), name  # q/k rows as written: no permutation
+    config = gguf_to_hf_config(gguf)
+    assert (config["model_type"], config["architectures"]) == ("qwen3", ["Qwen3ForCausalLM"])
+    assert config["head_dim"] == HEAD_DIM
+    assert ModelConfig.from_dict(config).qk_norm
 
 
 def test_hf_config_from_llama_metadata(tmp_path: Path) -> None:
@@ -303,7 +326,8 @@ def test_unsupported_architecture_names_it_and_the_supported_family(tmp_path: Pa
     path = write_gguf(tmp_path / "gpt2.gguf", "gpt2", {}, {})
     gguf_file = GGUFFile.open(path)
     with pytest.raises(
-        ModelLoadError, match=r"unsupported architecture gpt2; kvchat runs the Llama"
+        ModelLoadError,
+        match=r"unsupported architecture gpt2; kvchat runs GGUFs of the llama .* qwen3",
     ):
         gguf_to_hf_config(gguf_file)
     with pytest.raises(ModelLoadError, match="unsupported architecture gpt2"):

@@ -59,6 +59,18 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path, tiny_llama_dir):
         load_model(str(folder), device="cpu")
 
 
+def test_sliding_window_attention_is_refused_with_a_clear_error(tmp_path, tiny_llama_dir):
+    """kvchat's attention has no window yet: a Qwen3 configured to use one is refused
+    before any weight is read, never run with full attention."""
+    folder = tmp_path / "windowed"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="qwen3", use_sliding_window=True, sliding_window=128)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="sliding-window attention"):
+        load_model(str(folder), device="cpu")
+
+
 def test_folder_without_tokenizer_is_a_clear_error(tmp_path, tiny_llama_dir):
     folder = tmp_path / "notok"
     shutil.copytree(tiny_llama_dir, folder)

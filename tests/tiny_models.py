@@ -29,12 +29,25 @@ def write_tiny_model(
     with_tokenizer: bool = True,
     **overrides,
 ) -> Path:
-    """Write a tiny random model of `family` ("llama", "llama3", "qwen2") into `folder`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """Write a tiny random model of `family` ("llama", "llama3", "qwen2", "qwen3") into
+    `folder`."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     shapes = {**TINY_SHAPES, "vocab_size": vocab_size, **overrides}
-    if family == "qwen2":
+    if family == "qwen3":  # head_dim set apart from hidden / heads, as Qwen3's configs do
+        config = Qwen3Config(
+            **{"head_dim": 32, **shapes}, tie_word_embeddings=True, rope_theta=1_000_000.0
+        )
+        model = Qwen3ForCausalLM(config)
+    elif family == "qwen2":
         config = Qwen2Config(**shapes, tie_word_embeddings=True, rope_theta=1_000_000.0)
         model = Qwen2ForCausalLM(config)
     elif family == "llama3":
@@ -58,6 +71,9 @@ def write_tiny_model(
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
+        for name, p in model.named_parameters():  # q/k norms start at ones: make them count
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(folder, safe_serialization=True)
     if with_tokenizer:
         from tests.tiny_tokenizers import write_tiny_tokenizer

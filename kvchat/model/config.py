@@ -1,9 +1,9 @@
 """The transformer's shape, read from a Hugging Face `config.json` dict.
 
-One dataclass for the whole Llama family: Llama 2/3.x, Mistral, Qwen2/2.5 and
-SmolLM2 differ only in values (q/k/v bias, rope scaling, tied embeddings), not in
-code. Anything outside the family is refused here, with a message, before any
-weight is read.
+One dataclass for the Llama family and the families that add a step to it: Llama
+2/3.x, Mistral, Qwen2/2.5 and SmolLM2 differ only in values (q/k/v bias, rope scaling,
+tied embeddings); Qwen3 adds a per-head RMSNorm of q and k before rotary (`qk_norm`).
+Anything else is refused here, with a message, before any weight is read.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 
 from kvchat.errors import ModelLoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = "Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 (dense), SmolLM2, TinyLlama"
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2 has q/k/v biases
     rope_scaling: RopeScaling | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before rotary
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -63,8 +65,12 @@ class ModelConfig:
             archs = raw.get("architectures") or [model_type or "unknown"]
             raise ModelLoadError(
                 f"Unsupported architecture {archs[0]!r} (model_type {model_type!r}). kvchat runs "
-                "the Llama family: Llama 2/3.x, Mistral, Qwen2/2.5, SmolLM2, TinyLlama. "
-                "Pick a model of that family with --model."
+                f"{SUPPORTED_FAMILIES}. Pick a model of one of those with --model."
+            )
+        if raw.get("use_sliding_window") and raw.get("sliding_window"):
+            raise ModelLoadError(
+                f"This {model_type} model uses sliding-window attention (use_sliding_window), "
+                "which kvchat does not run yet; pick a model without it."
             )
         try:
             hidden = int(raw["hidden_size"])
@@ -93,6 +99,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
                 rope_scaling=_rope_scaling(scaling),
+                qk_norm=model_type == "qwen3",
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )

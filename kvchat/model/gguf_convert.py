@@ -10,8 +10,9 @@ One translation is not a rename: llama.cpp's converter permutes the rows of
 the query and key projections of the `llama` architecture (from Hugging Face's
 "rotate half" rotary layout to GPT-J's interleaved one). Skipping the
 inverse gives a model that runs and talks plausible nonsense, so it is undone
-here, exactly as transformers' GGUF loader does. `qwen2` is converted without
-that permutation (llama.cpp's Qwen2 converter does not apply it).
+here, exactly as transformers' GGUF loader does. `qwen2` and `qwen3` are converted
+without that permutation (llama.cpp's Qwen2 converter, which Qwen3's derives from, does
+not apply it); Qwen3's per-head q/k norms are `attn_q_norm` / `attn_k_norm`.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from kvchat.errors import ModelLoadError
 from kvchat.model.gguf_dequant import dequantize
 from kvchat.model.gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 _HF_ARCH = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
 }
 
 # GGUF tensor name -> Hugging Face name; {i} is the layer index.
@@ -53,6 +55,8 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Tensors that describe the model rather than hold weights: read into the config.
@@ -64,8 +68,8 @@ def check_architecture(metadata: dict[str, object]) -> str:
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
-            f"unsupported architecture {arch}; kvchat runs the Llama family "
-            "(llama, mistral, qwen2). Choose a GGUF of one of those."
+            f"unsupported architecture {arch}; kvchat runs GGUFs of the llama (Llama, "
+            "Mistral, SmolLM2), qwen2 and qwen3 architectures. Choose a GGUF of one of those."
         )
     return str(arch)
 
@@ -216,7 +220,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
         return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
     raise ModelLoadError(
         f"the GGUF holds a tensor {gguf_name!r} that kvchat's Llama-family model has no place "
-        "for; the file is not a plain llama/qwen2 model."
+        "for; the file is not a plain llama, qwen2 or qwen3 model."
     )
 
 

@@ -1,4 +1,4 @@
-"""The Llama-family forward pass in plain torch.
+"""The Llama-family forward pass in plain torch (and Qwen3's q/k norms, `Layer`).
 
 Written to be checked against the paper and transformers' LlamaModel line by line;
 the differences are for speed only: q/k/v and gate/up are fused into one matmul
@@ -20,7 +20,7 @@ from kvchat.errors import ModelLoadError
 from kvchat.model import huge_pages
 from kvchat.model.batch import Attention, ForwardBatch
 from kvchat.model.config import ModelConfig
-from kvchat.model.decoder_ops import add_rms_norm, rotate_, silu_mul
+from kvchat.model.decoder_ops import add_rms_norm, rms_norm_reference, rotate_, silu_mul
 from kvchat.model.linear import DenseLinear, Linear, bounded_kernel_caches
 from kvchat.model.rope import RotaryTable
 
@@ -32,6 +32,9 @@ class Layer:
         self.config = config
         self.input_norm = weights["input_layernorm.weight"]
         self.post_norm = weights["post_attention_layernorm.weight"]
+        # Qwen3: each head of q and k normalized (one weight of head_dim) before rotary
+        self.q_norm = weights["self_attn.q_norm.weight"] if config.qk_norm else None
+        self.k_norm = weights["self_attn.k_norm.weight"] if config.qk_norm else None
         qkv = ("q", "k", "v")
         # A loader may hand over pre-built (e.g. 4-bit) fused projections under these names.
         self.qkv: Linear = weights.get("self_attn.qkv_proj") or make_linear(
@@ -59,6 +62,8 @@ class Layer:
         h, x = add_rms_norm(h, pending, self.input_norm, c.rms_norm_eps)
         qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
         t = qkv.shape[0]
+        if self.q_norm is not None:
+            self._norm_heads(qkv, t)
         rotate_(qkv, cos, sin, c.num_heads + c.num_kv_heads)  # q and k, in place, in one op
         q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
@@ -66,6 +71,15 @@ class Layer:
         attn = attention(index, q, k, v)  # [T, Hq, D]
         h, x = add_rms_norm(h, self.o(attn.reshape(t, c.q_size)), self.post_norm, c.rms_norm_eps)
         return h, self.down(silu_mul(self.gate_up(x)))
+
+    def _norm_heads(self, qkv: torch.Tensor, t: int) -> None:
+        """Qwen3's q_norm and k_norm, in place in the fused projection's rows: transformers'
+        RMSNorm over the head dimension of every head."""
+        c = self.config
+        q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
+        k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
+        q.copy_(rms_norm_reference(q, self.q_norm, c.rms_norm_eps))
+        k.copy_(rms_norm_reference(k, self.k_norm, c.rms_norm_eps))
 
 
 class Transformer:
@@ -197,6 +211,8 @@ def _missing_weights(config: ModelConfig, weights: dict) -> list[str]:
         "mlp.up_proj.weight",
         "mlp.down_proj.weight",
     )
+    if config.qk_norm:
+        per_layer = (*per_layer, "self_attn.q_norm.weight", "self_attn.k_norm.weight")
     for i in range(config.num_layers):
         names.extend(f"model.layers.{i}.{n}" for n in per_layer)
     fused = {
