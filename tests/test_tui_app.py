@@ -431,3 +431,38 @@ async def test_new_session_reuses_an_empty_one_instead_of_piling_them_up():
         assert len(app.sidebar.order) == 3
         await pilot.press("alt+2")
         assert app.composer.text == "half a thought"
+
+
+async def test_attaching_says_the_messages_size_at_once_and_by_how_much_it_is_too_long(
+    tmp_path,
+):
+    """The count comes with the attachment, not at the send that fails; a file too long
+    for the context says by how many tokens, and so does the send's error."""
+    small, big = tmp_path / "notes.md", tmp_path / "book.md"
+    small.write_text("a few lines of notes\n")
+    big.write_text("word " * 2000)  # the fake renderer: a token a character
+    app, _ = fake_app(context_length=4096)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await ready(pilot, app)
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: app.current is not None, what="a session")
+        app.attach_file(small)
+        await wait_until(
+            pilot,
+            lambda: any("Attached notes.md: the message is" in t and "tokens of the" in t
+                        for t in notifications(app)),
+            what="the size",
+        )  # fmt: skip
+        app.composer.clear()
+        app.attach_file(big)
+        await wait_until(
+            pilot, lambda: any("book.md" in t for t in notifications(app)), what="the warning"
+        )
+        warning = next(n for n in app._notifications if "book.md" in n.message)
+        assert warning.severity == "warning" and "more than a prompt can hold" in warning.message
+        await pilot.press("enter")  # sent anyway: refused, with the excess
+        await wait_until(
+            pilot,
+            lambda: any("tokens too many" in t for t in notifications(app)),
+            what="the refusal",
+        )

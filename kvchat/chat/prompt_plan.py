@@ -54,7 +54,7 @@ def plan_prompt(
     """The prompt for `new`: stored ids + continuation, or a render, fitted to the context."""
     context = session.context_messages()
     ctx_len = context_length
-    reserve = min(max_tokens, ctx_len // 4)  # room to answer; a huge max_tokens stops at ctx
+    reserve = reply_reserve(max_tokens, ctx_len)
     plan: PromptPlan | None = None
     if (
         not session.ids_stale
@@ -78,6 +78,12 @@ def plan_prompt(
     return drop_oldest_turns(renderer, context, new, len(plan.prompt), reserve, ctx_len)
 
 
+def reply_reserve(max_tokens: int, context_length: int) -> int:
+    """Tokens a prompt leaves for the reply: its max tokens, at most a quarter of the
+    context (a huge max_tokens stops at the context's end instead)."""
+    return min(max_tokens, context_length // 4)
+
+
 def drop_oldest_turns(
     renderer: RendererPort,
     context: list[Message],
@@ -97,9 +103,11 @@ def drop_oldest_turns(
         fits = len(prompt) + reserve <= ctx_len
         if fits and (old_len - len(prompt) >= ctx_len // 3 or cut == len(body)):
             return PromptPlan(prompt, 0 if len(kept) == 1 else None, True, tuple(body[:cut]))
+    alone = len(renderer.prompt_ids([m.as_chat() for m in [*head, new]]))
     raise PromptTooLongError(
-        f"this message does not fit in the model's context of {ctx_len} tokens "
-        f"(with {reserve} kept for the reply); shorten it or lower max_tokens"
+        f"this message is {alone:,} tokens and does not fit in the model's context of "
+        f"{ctx_len:,} tokens with {reserve:,} kept for the reply: "
+        f"{alone + reserve - ctx_len:,} tokens too many; shorten it or lower max_tokens"
     )
 
 

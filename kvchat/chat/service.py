@@ -59,7 +59,13 @@ from kvchat.chat.events import (
     SessionNotice,
     SessionRenamed,
 )
-from kvchat.chat.prompt_plan import PromptPlan, cut_ids, plan_prompt, reset_offsets
+from kvchat.chat.prompt_plan import (
+    PromptPlan,
+    cut_ids,
+    plan_prompt,
+    reply_reserve,
+    reset_offsets,
+)
 from kvchat.chat.recovery import UnsavedReport, write_recovery
 from kvchat.chat.session import (
     Message,
@@ -572,6 +578,19 @@ class SessionService:
             else:
                 events = self._submit_draft(session, rt, text)
         self._publish(events)
+
+    def message_size(self, session_id: str, text: str) -> tuple[int, int]:
+        """(tokens, room) for a message of `text` before it is sent: its tokens rendered
+        alone after the session's system prompt, and the most a prompt may hold (the
+        model's context less the reply's reserve). An attachment's cost is known at once,
+        not at the send that fails. Renders outside the lock (a server's is HTTP)."""
+        with self._lock:
+            session = self._get(session_id)
+            head = [m.as_chat() for m in session.context_messages()[:1] if m.role == "system"]
+            max_tokens = session.max_tokens or self._default_max_tokens
+        context = self._engine.context_length
+        tokens = len(self._renderer.prompt_ids([*head, {"role": "user", "content": text}]))
+        return tokens, context - reply_reserve(max_tokens, context)
 
     def keep_unsent(self, session_id: str, text: str) -> None:
         """Store what the user typed for the session and has not sent (its composer's

@@ -784,7 +784,23 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
         composer.load_text((text.rstrip() + "\n\n" if text.strip() else "") + block + "\n")
         composer.move_cursor(composer.document.end)
         composer.focus()
-        self.notify(f"Attached {path.name}; type your question and press enter.")
+        if self.service is None or self.current is None:
+            self.notify(f"Attached {path.name}; type your question and press enter.")
+            return
+        tokens, room = self.service.message_size(self.current, composer.text)
+        if tokens > room:
+            self.notify(
+                f"Attached {path.name}: the message is now {tokens:,} tokens, "
+                f"{tokens - room:,} more than a prompt can hold ({room:,}: the model's "
+                "context less the reply's room). Cut the file's text before sending.",
+                severity="warning",
+                timeout=15,
+            )
+        else:
+            self.notify(
+                f"Attached {path.name}: the message is {tokens:,} tokens of the {room:,} a "
+                "prompt can hold; type your question and press enter."
+            )
 
     @guarded
     def action_export(self) -> None:
