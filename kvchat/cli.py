@@ -63,6 +63,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
         "--page-size", type=int, metavar="N", help="tokens per KV page (power of two, >= 16)"
     )
     p.add_argument(
+        "--context-size",
+        type=int,
+        metavar="N",
+        help="the most tokens a conversation holds (default: the model's context); fewer "
+        "bound its KV cache, and older turns are left out of the prompt sooner",
+    )
+    p.add_argument(
         "--engine",
         metavar="URL|embedded",
         help="an OpenAI-compatible server (vLLM, SGLang, llama-server), e.g. "

@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvchat.chat.engine_port import ChatBackend
-from kvchat.chat.settings import MIN_PAGE_SIZE, Settings, is_page_size, load_settings_checked
+from kvchat.chat.settings import (
+    MIN_CONTEXT_SIZE,
+    MIN_PAGE_SIZE,
+    Settings,
+    is_context_size,
+    is_page_size,
+    load_settings_checked,
+)
 from kvchat.engine.api import SamplingParams
 from kvchat.errors import KvchatError, UsageError
 from kvchat.units import format_size, parse_size
@@ -42,6 +49,7 @@ class RuntimeOptions:
     # option -> where its value came from ("--device-cache", or "FILE, line N" in the settings)
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
     disk_cache: int | None = None  # None: the default size (`disk_cache_bytes`)
+    context_size: int | None = None  # None: the model's context
 
 
 def read_settings(warn: Callable[[str], None] | None = None) -> Settings:
@@ -97,6 +105,12 @@ def resolve_options(args: argparse.Namespace, settings: Settings) -> RuntimeOpti
         raise UsageError(
             f"--page-size must be a power of two from {MIN_PAGE_SIZE} up, like 256; got {page_size}"
         )
+    context_size = getattr(args, "context_size", None)
+    if context_size is not None and not is_context_size(context_size):
+        raise UsageError(
+            f"--context-size must be an integer from {MIN_CONTEXT_SIZE} up, like 4096; "
+            f"got {context_size}"
+        )
     max_tokens = getattr(args, "max_tokens", None)
     if max_tokens is not None and max_tokens <= 0:
         raise UsageError(f"--max-tokens must be a positive integer; got {max_tokens}")
@@ -126,6 +140,7 @@ def resolve_options(args: argparse.Namespace, settings: Settings) -> RuntimeOpti
         attention=pick("attention"),
         sources=sources,
         disk_cache=disk_cache,
+        context_size=pick("context_size"),
     )
 
 
@@ -171,6 +186,7 @@ def engine_config(options: RuntimeOptions):
         kv_format=options.kv,
         attention=options.attention,
         disk_cache_bytes=disk_cache_bytes(options),
+        context_tokens=options.context_size,
     )
 
 
@@ -320,11 +336,24 @@ def open_chat_backend(
         except Exception:  # a line of information must never stop the start
             return model.name
 
-    notice = small_cache_notice(engine)
-    if notice is not None:
+    notices = tuple(
+        n for n in (context_notice(engine, options), small_cache_notice(engine)) if n is not None
+    )
+    for notice in notices:
         progress(notice)
-    notices = (notice,) if notice is not None else ()
     return OpenedBackend(chat, sampling, describe, engine.close, notices)
+
+
+def context_notice(engine, options: RuntimeOptions) -> str | None:
+    """A context size above the model's is capped to it: said once at start."""
+    asked = options.context_size
+    if asked is None or asked <= engine.context_length:
+        return None
+    where = options.sources.get("context_size", "--context-size")
+    return (
+        f"The context size {asked:,} ({where}) is more than the model's context; "
+        f"{engine.context_length:,} tokens are used."
+    )
 
 
 def small_cache_notice(engine) -> str | None:
@@ -367,6 +396,7 @@ def describe_cache(engine) -> str:
     return (
         f"KV cache: {dev} pages x {ps} tokens on {engine.transformer.device.type} "
         f"({dev * ps:,} tokens, {dev * per_page / 2**20:.0f} MiB), host tier {host} pages "
-        f"({host * ps:,} tokens, {host * per_page / 2**20:.0f} MiB), {disk_text}; attention: "
+        f"({host * ps:,} tokens, {host * per_page / 2**20:.0f} MiB), {disk_text}; context "
+        f"{engine.context_length:,} tokens; attention: "
         f"{describe_attention(engine.attention_kind, engine.transformer.device)}"
     )

@@ -68,6 +68,17 @@ def test_one_bad_key_keeps_the_good_ones_and_each_problem_is_one_sentence() -> N
     assert all(p.endswith(".") and p.count(". ") <= 1 for p in problems)
 
 
+def test_the_context_size_setting_is_checked_and_feeds_the_options() -> None:
+    from kvchat.chat.settings import load_settings_checked
+
+    write("context_size = 100\n")
+    settings, problems = load_settings_checked()
+    assert settings.context_size is None and "'context_size'" in problems[0]
+    write("context_size = 4096\n")
+    settings, problems = load_settings_checked()
+    assert settings.context_size == 4096 and problems == ()
+
+
 def test_the_commands_say_each_settings_problem_once(tmp_path) -> None:
     import os
     import subprocess

@@ -46,6 +46,7 @@ def no_model(monkeypatch):
         ("--page-size", "0", "--page-size must be a power of two from 16 up"),
         ("--page-size", "24", "--page-size must be a power of two from 16 up"),
         ("--max-tokens", "0", "--max-tokens must be a positive integer"),
+        ("--context-size", "100", "--context-size must be an integer from 256 up"),
     ],
 )
 def test_a_bad_size_flag_is_refused_naming_the_flag(flag, value, message) -> None:

@@ -106,3 +106,28 @@ async def test_the_tui_shows_the_start_notices_as_warnings() -> None:
         )
         notice = next(n for n in app._notifications if "holds 64 tokens" in n.message)
         assert notice.severity == "warning"
+
+
+def test_a_context_size_caps_what_a_conversation_holds_and_is_shown(tiny) -> None:
+    """--context-size: the engine's context is the smaller of it and the model's; a prompt
+    over it is refused saying so; the start-up line shows it; one over the model's is
+    capped with a notice."""
+    from kvchat.runtime import RuntimeOptions, context_notice, describe_cache
+
+    with small_engine(tiny, context_tokens=512) as engine:
+        assert engine.context_length == 512
+        assert "context 512 tokens" in describe_cache(engine)
+        collector = Collector()
+        engine.submit(GenerationRequest(tuple(range(3, 603)), max_tokens=4), collector)
+        finished = collector.wait()
+        assert finished.reason == FinishReason.ERROR and "context holds 512" in finished.error
+        options = RuntimeOptions(None, None, None, None, None, 16, None, None, None)
+        assert context_notice(engine, options) is None
+    with small_engine(tiny, context_tokens=10**6) as engine:
+        assert engine.context_length == tiny.config.max_position_embeddings
+        big = RuntimeOptions(
+            None, None, None, None, None, 16, None, None, None, context_size=10**6,
+            sources={"context_size": "--context-size"},
+        )  # fmt: skip
+        notice = context_notice(engine, big)
+        assert notice is not None and "more than the model's context" in notice

@@ -34,6 +34,7 @@ class Settings:
     host_cache: int | None = None  # bytes
     disk_cache: int | None = None  # bytes; 0 turns the disk tier off
     page_size: int = 256
+    context_size: int | None = None  # tokens; None: the model's context
     seed: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -120,6 +121,10 @@ def _check(path: Path, text: str, key: str, value: Any) -> Any:
         if not is_page_size(value):
             raise bad(f"a power of two from {MIN_PAGE_SIZE} up, like 256")
         return value
+    if key == "context_size":
+        if not is_context_size(value):
+            raise bad(f"an integer from {MIN_CONTEXT_SIZE} up, like 4096")
+        return value
     if key == "max_tokens":
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise bad("a positive integer")
@@ -135,6 +140,13 @@ def _check(path: Path, text: str, key: str, value: Any) -> Any:
             raise bad("a number in (0, 1]")
         return float(value)
     raise UsageError(f"{where}: unknown setting '{key}'")
+
+
+MIN_CONTEXT_SIZE = 256  # room for a system prompt, a question and a reply
+
+
+def is_context_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= MIN_CONTEXT_SIZE
 
 
 def is_page_size(value: Any) -> bool:

@@ -47,6 +47,9 @@ class EngineConfig:
     max_skips: int = 8  # how often a waiting request may be overtaken by later ones
     max_rq_tokens: int = 2048  # a long generation requeues itself after this many tokens
     kv_format: str = "native"  # part of the page-hash salt
+    # the most tokens a sequence may hold (prompt and reply): the model's context, or
+    # fewer (--context-size), which bounds a conversation's KV cache and its prompt
+    context_tokens: int | None = None
     # Which attention reads the cache (engine/attention_choice.py): "native" (kvchat's CPU
     # kernel once built), "flex" (torch's FlexAttention, compiled) or "sdpa"; None: the
     # device's default (flex on CUDA, native elsewhere).

@@ -159,7 +159,11 @@ class Engine:
             native_build.request()  # in the background: torch's kernels serve until it loads
         self.scheduler = Scheduler(self.config, self.table)
         self.drafts = DraftQueue(self.config.step_token_budget)
-        self.max_context = min(mc.max_position_embeddings, self.transformer.max_positions)
+        self.max_context = min(
+            mc.max_position_embeddings,
+            self.transformer.max_positions,
+            self.config.context_tokens or mc.max_position_embeddings,
+        )
         self.stop_ids = frozenset(self.tokenizer.stop_token_ids)
 
         self._lock = threading.Lock()  # guards the page table and the inbox
