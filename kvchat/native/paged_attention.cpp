@@ -65,6 +65,12 @@ constexpr int64_t kFewRows = 8;        // up to this many rows: dot products per
 constexpr int64_t kParallelWork = 2048;  // row-tokens below which one thread does it all
 constexpr float kNoScore = -1e30f;
 
+// 2^f for f in [-0.5, 0.5], highest power first (Horner): the vector paths' e^x is
+// 2^(x log2 e) split into a power of two and this polynomial of the rest
+constexpr int kExp2Terms = 7;
+constexpr float kExp2Poly[kExp2Terms] = {1.54035304e-4f, 1.33335581e-3f, 9.61812911e-3f,
+                                         5.55041087e-2f, 2.40226507e-1f, 6.93147181e-1f, 1.f};
+
 // ---- 16 floats at a time: AVX-512 where the compiler targets it, two AVX2 vectors where
 // that is the best it has (the plain loops left a decode's exp and horizontal sums
 // scalar there: attention took 3x its bf16 time on an AVX2 CPU), plain loops elsewhere.
@@ -85,13 +91,8 @@ inline V16 vexp(V16 x) {  // e^x for x <= 0, relative error ~2e-7
   const V16 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
   const V16 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const V16 f = _mm512_sub_ps(t, n);
-  V16 p = _mm512_set1_ps(1.54035304e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.33335581e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.61812911e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55041087e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226507e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  V16 p = _mm512_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < kExp2Terms; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Poly[i]));
   return _mm512_scalef_ps(p, n);
 }
 // a where x <= y, else b (lane by lane)
@@ -133,13 +134,8 @@ inline __m256 vexp8(__m256 x) {
   const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(1.54035304e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.33335581e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.61812911e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.55041087e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.40226507e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.93147181e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (int i = 1; i < kExp2Terms; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Poly[i]));
   const __m256i exponent = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
