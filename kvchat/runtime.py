@@ -361,16 +361,13 @@ def small_cache_notice(engine) -> str | None:
     conversation longer than the cache can never be answered (every page of a sequence
     is on the device while it runs), and a user who set 48MiB learns it at start rather
     than at the turn that fails, with the size that would hold a whole context."""
-    page_size = engine.config.page_size
-    holds = engine.store.num_pages * page_size
-    context = engine.context_length
+    holds, context = engine.device_cache_tokens, engine.context_length
     if holds >= context:
         return None
-    whole = -(-context // page_size) * engine.store.page_bytes()
     return (
         f"The device cache holds {holds:,} tokens, fewer than the model's context "
         f"({context:,}): a conversation longer than {holds:,} tokens cannot be answered. "
-        f"--device-cache {-(-whole // 2**20)}MiB holds a whole context."
+        f"--device-cache {engine.device_cache_mib_for(context)}MiB holds a whole context."
     )
 
 

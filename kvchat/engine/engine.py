@@ -236,6 +236,16 @@ class Engine:
     def context_length(self) -> int:
         return self.max_context
 
+    @property
+    def device_cache_tokens(self) -> int:
+        """Tokens the device cache holds: the longest sequence that can ever run."""
+        return self.store.num_pages * self.config.page_size
+
+    def device_cache_mib_for(self, tokens: int) -> int:
+        """The smallest --device-cache, in MiB, whose pages hold `tokens` tokens."""
+        pages = -(-tokens // self.config.page_size)
+        return -(-pages * self.store.page_bytes() // 2**20)
+
     def submit(self, request: GenerationRequest, on_event: Callable[[EngineEvent], None]) -> int:
         with self._lock:
             request_id = self._next_id
@@ -409,7 +419,7 @@ class Engine:
     def _out_of_cache_message(self, seq: Sequence) -> str:
         """Why a request that can never fit failed: its prompt, or the reply that grew until
         prompt and reply together filled the whole device cache."""
-        capacity = self.store.num_pages * self.config.page_size
+        capacity = self.device_cache_tokens
         generated = len(seq.tokens) - seq.prompt_len
         if generated > 0:
             return (
@@ -422,14 +432,12 @@ class Engine:
 
     def _prompt_too_big_message(self, prompt_len: int) -> str:
         """A prompt larger than the whole device cache: the size that would hold it."""
-        capacity = self.store.num_pages * self.config.page_size
-        pages = prompt_len // self.config.page_size + 1  # with room for the first token
-        needed_mib = -(-pages * self.store.page_bytes() // 2**20)
+        needed_mib = self.device_cache_mib_for(prompt_len + 1)  # room for the first token
         return (
             f"The prompt ({prompt_len:,} tokens) does not fit in the device cache "
-            f"({capacity:,} tokens) even when it is empty; start kvchat with --device-cache "
-            f"{needed_mib}MiB or more, or shorten the conversation (edit the last message, or "
-            "fork at an earlier one)."
+            f"({self.device_cache_tokens:,} tokens) even when it is empty; start kvchat with "
+            f"--device-cache {needed_mib}MiB or more, or shorten the conversation (edit the "
+            "last message, or fork at an earlier one)."
         )
 
     def _plan_draft(self, plan: StepPlan) -> DraftRun | None:
