@@ -139,7 +139,8 @@ async def test_sessions_stream_switch_stop_regenerate_fork_archive_and_attach(tm
         await wait_until(pilot, lambda: app.screen.id != "_default", what="attach dialog")
         await pilot.press(*str(doc))
         await pilot.press("enter")
-        await wait_until(pilot, lambda: "the cache keeps pages" in app.composer.text)
+        await wait_until(pilot, lambda: [a.name for a in app.composer.attachments] == ["notes.txt"])
+        assert app.composer.text == ""  # the file is a chip, not text in the box
         await type_and_send(pilot, "what does it say?")
         await wait_until(pilot, lambda: len(transcript_texts(app)) == 4, what="attached message")
         sent = service.messages(fork)[2].content

@@ -61,7 +61,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, TextArea
 
-from kvchat.chat.attachments import attachment_text
+from kvchat.chat.attachments import Attachment, attach
 from kvchat.chat.error_log import log_exception
 from kvchat.chat.events import (
     ChatEvent,
@@ -88,6 +88,7 @@ from kvchat.chat.store import Store
 from kvchat.engine.api import Residency
 from kvchat.errors import KvchatError, UsageError
 from kvchat.paths import app_paths
+from kvchat.tui.attachment_chips import AttachmentChips
 from kvchat.tui.backend import BackendFactory, TuiBackend
 from kvchat.tui.command_palette import CommandPalette
 from kvchat.tui.composer import Composer
@@ -172,6 +173,7 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
         self._draft_label: str | None = None  # the composer's "N tokens ready", set at a tick
         self._draft_label_shown: str | None = None  # (the border keeps it as Content, not str)
         self.undo_stack: list[tuple[str, str]] = []  # (archive|delete, session id)
+        self._attachment_tokens: dict[str, int] = {}  # by block: a chip's count, once known
         self.show_archived = False
         self.views: dict[str, SessionView] = {}
         self._unsubscribe: Callable[[], None] | None = None
@@ -202,6 +204,7 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
         self.sidebar = SessionList(id="sidebar")
         self.transcript = Transcript(id="transcript")
         self.composer = Composer(keymap=self.keymap, id="composer")
+        self.attachment_chips = AttachmentChips(id="attachments")
         self.meters = Meters(id="meters")
         self.save_banner = SaveBanner(id="save-banner")
         with Horizontal(id="body"):
@@ -212,6 +215,7 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
                 # in a box of its own: a screen update inside the transcript then repaints
                 # the box, not the text area (which restyles itself on every repaint)
                 with Vertical(id="composer-box"):
+                    yield self.attachment_chips
                     yield self.composer
             yield self.meters
         yield Footer(compact=True)  # every shown key fits in 100 columns
@@ -332,7 +336,8 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
         self.composer.clear()
         await self.switch_to(recent.id if recent else None)  # its unsent text comes back
         unsent = self.composer.text
-        if send_draft and unsent:  # never sent with, nor instead of, text kept from before
+        # never sent with, nor instead of, what was kept from before
+        if send_draft and self.composer.message:
             send_draft = False
             self.notify("Not sent yet: the session had unsent text; both are in the box.")
         if typed:  # what was typed while starting goes after the session's unsent text
@@ -473,10 +478,10 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
         self.current = session_id
         self.sidebar.set_current(session_id)
         self.composer.set_editing(False)
-        if leaving is not None or not self.composer.text:
-            self.composer.load_text(self._unsent_of(session_id))
+        if leaving is not None or not self.composer.message:
+            self.composer.load_message(self._unsent_of(session_id))
             self.composer.move_cursor(self.composer.document.end)
-            if self.composer.text:
+            if self.composer.message:
                 self.draft_timer.edited(time.monotonic())  # computed ahead again
         async with self._transcript_lock:
             messages = self.service.messages(session_id) if self.service and session_id else []
@@ -491,7 +496,7 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
         if self.service is None or session_id is None or self.composer.editing:
             return
         with contextlib.suppress(KvchatError):  # deleted meanwhile
-            self.service.keep_unsent(session_id, self.composer.text)
+            self.service.keep_unsent(session_id, self.composer.message)
 
     def _unsent_of(self, session_id: str | None) -> str:
         if self.service is None or session_id is None:
@@ -516,7 +521,7 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
         """The composer's text as the current session's draft, once typing paused (or grew)."""
         if self.service is None or self.current is None or self.composer.editing:
             return
-        text = self.composer.text
+        text = self.composer.message
         if self.draft_timer.due(time.monotonic(), len(text)):
             self._keep_unsent(self.current)  # here, in typing order: never after a send
             self._send_draft(self.service, self.current, text.strip())
@@ -585,8 +590,8 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
             self.post_message(SendFailed(text, editing, exc))
 
     def on_send_failed(self, message: SendFailed) -> None:
-        if not self.composer.text:  # nothing typed since: the message is back to fix
-            self.composer.load_text(message.text)
+        if not self.composer.message:  # nothing typed since: the message is back to fix
+            self.composer.load_message(message.text)
             self.composer.set_editing(message.editing)
         notify_failure(self, message.error)
 
@@ -624,7 +629,7 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
 
         def empty(session_id: str) -> bool:
             view = self.service.session(session_id)
-            typed = self.composer.text if session_id == self.current else view.unsent
+            typed = self.composer.message if session_id == self.current else view.unsent
             return (
                 view.message_count == 0
                 and view.state == "idle"
@@ -700,7 +705,7 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
         users = [m for m in self.service.messages(session_id) if m.role == "user"]
         if not users:
             raise KvchatError("there is no message of yours to edit")
-        self.composer.load_text(users[-1].content)
+        self.composer.load_message(users[-1].content)
         self.composer.set_editing(True)
         self.composer.focus()
 
@@ -778,16 +783,15 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
 
     @guarded
     def attach_file(self, path: Path) -> None:
-        block = attachment_text(path)
+        attachment = attach(path)
         composer = self.composer
-        text = composer.text
-        composer.load_text((text.rstrip() + "\n\n" if text.strip() else "") + block + "\n")
-        composer.move_cursor(composer.document.end)
+        composer.attach(attachment)
         composer.focus()
         if self.service is None or self.current is None:
             self.notify(f"Attached {path.name}; type your question and press enter.")
             return
-        tokens, room = self.service.message_size(self.current, composer.text)
+        self._attachment_tokens[attachment.block] = self._tokens_of(self.current, attachment)
+        tokens, room = self.service.message_size(self.current, composer.message)
         if tokens > room:
             self.notify(
                 f"Attached {path.name}: the message is now {tokens:,} tokens, "
@@ -801,6 +805,39 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
                 f"Attached {path.name}: the message is {tokens:,} tokens of the {room:,} a "
                 "prompt can hold; type your question and press enter."
             )
+
+    def _tokens_of(self, session_id: str, attachment: Attachment) -> int:
+        """The tokens `attachment` adds to a message (its text less the template's own)."""
+        assert self.service is not None
+        alone, _ = self.service.message_size(session_id, attachment.block)
+        empty, _ = self.service.message_size(session_id, "")
+        return alone - empty
+
+    async def on_composer_attachments_changed(self, message: Composer.AttachmentsChanged) -> None:
+        attachments = self.composer.attachments
+        await self.attachment_chips.show(attachments, self._attachment_tokens)
+        self.draft_timer.edited(time.monotonic())  # the message changed: computed ahead anew
+        unknown = [a for a in attachments if a.block not in self._attachment_tokens]
+        if unknown and self.current is not None and self.service is not None:
+            self._count_attachments(self.current, unknown)
+
+    @work(thread=True, exit_on_error=False, group="count")
+    def _count_attachments(self, session_id: str, attachments: list[Attachment]) -> None:
+        """Token counts for chips loaded with a stored message (tokenizing a long file
+        takes a while: not on the UI thread)."""
+        with contextlib.suppress(KvchatError):
+            counts = {a.block: self._tokens_of(session_id, a) for a in attachments}
+            self.call_from_thread(self._counted, counts)
+
+    async def _counted(self, counts: dict[str, int]) -> None:
+        self._attachment_tokens.update(counts)
+        await self.attachment_chips.show(self.composer.attachments, self._attachment_tokens)
+
+    def on_attachment_chips_remove_requested(
+        self, message: AttachmentChips.RemoveRequested
+    ) -> None:
+        self.composer.detach(message.index)
+        self.composer.focus()
 
     @guarded
     def action_export(self) -> None:
