@@ -67,6 +67,7 @@ from kvchat.chat.prompt_plan import (
     reset_offsets,
 )
 from kvchat.chat.recovery import UnsavedReport, write_recovery
+from kvchat.chat.search import SearchHit, search_sessions
 from kvchat.chat.session import (
     Message,
     MessageState,
@@ -335,6 +336,23 @@ class SessionService:
                 MessageView(m.id, i, m.role, m.content, m.state, m.in_context, m.stats)
                 for i, m in enumerate(session.messages)
             ]
+
+    def search(
+        self, query: str, *, limit: int = 30, include_archived: bool = False
+    ) -> list[SearchHit]:
+        """Where `query` occurs in the listed sessions' titles and messages (`chat/search.py`),
+        the most recently updated sessions first."""
+        with self._lock:
+            sessions = sorted(
+                (
+                    s
+                    for s in self._sessions.values()
+                    if s.deleted_at is None and (include_archived or not s.archived)
+                ),
+                key=lambda s: s.updated,
+                reverse=True,
+            )
+            return search_sessions(sessions, query, limit=limit)
 
     def token_ids(self, session_id: str) -> tuple[int, ...]:
         """The stored ids of the session's rendered history (the prompt while replying)."""

@@ -81,6 +81,7 @@ from kvchat.chat.events import (
 )
 from kvchat.chat.recovery import UnsavedReport
 from kvchat.chat.sampling_text import parse_sampling, sampling_text
+from kvchat.chat.search import SearchHit
 from kvchat.chat.service import RETRY_SAVE_S, SessionService
 from kvchat.chat.session import MessageView, SessionView
 from kvchat.chat.settings import Settings, save_setting
@@ -116,6 +117,7 @@ from kvchat.tui.screens import (
     StartupScreen,
     TextDialog,
 )
+from kvchat.tui.session_search import SessionSearch
 from kvchat.tui.sidebar import SessionList, SessionRow
 from kvchat.tui.stream_buffer import StreamBuffer
 from kvchat.tui.themes import DEFAULT_THEME, PanelBorderVariable, load_themes
@@ -132,6 +134,7 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
 
     CSS_PATH = Path(__file__).parent / "app.tcss"
     TITLE = "kvchat"
+    COMMANDS = App.COMMANDS | {SessionSearch}  # the palette also finds sessions
     BINDINGS = bindings(APP_KEYS, priority=True)  # over the text area's own f6, ctrl+pageup…
     # below 120 columns the meters give their room to the transcript; below 90 the sidebar too
     HORIZONTAL_BREAKPOINTS: ClassVar[list[tuple[int, str]]] = [
@@ -548,6 +551,16 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
         if self.current is None or self.service is None:
             raise KvchatError("there is no session: press ctrl+n to start one")
         return self.current
+
+    @guarded
+    async def open_search_hit(self, hit: SearchHit) -> None:
+        """The palette's search result: its session, scrolled to the message found."""
+        await self.switch_to(hit.session_id)
+        if hit.message_id is not None and not self.transcript.show_message(hit.message_id):
+            self.notify(
+                "Found in an earlier message than the transcript shows; export the session "
+                "(ctrl+p, Export to Markdown) to read it."
+            )
 
     def on_session_row_selected(self, message: SessionRow.Selected) -> None:
         self.run_worker(self.switch_to(message.session_id), group="switch")

@@ -180,18 +180,20 @@ class SessionList(VerticalScroll):
                 self._rows[view.id].set_view(view, view.number)
             return
         old = self._rows
+        new_rows = []
+        for view in ordered:
+            row = SessionRow(view, view.number)
+            if view.id in old and old[view.id].residency is not None:
+                row.residency = old[view.id].residency
+                row.set_view(view, view.number)
+            row.set_class(view.id == self.current, "-current")
+            new_rows.append(row)
+        # order and rows change together, before the awaits: a refresh arriving while these
+        # rows mount must find the rows of the order it sees
         self.order = ids
+        self._rows = {row.session_id: row for row in new_rows}
         with self.app.batch_update():
             await self.remove_children()
-            new_rows = []
-            for view in ordered:
-                row = SessionRow(view, view.number)
-                if view.id in old and old[view.id].residency is not None:
-                    row.residency = old[view.id].residency
-                    row.set_view(view, view.number)
-                row.set_class(view.id == self.current, "-current")
-                new_rows.append(row)
-            self._rows = {row.session_id: row for row in new_rows}
             await self.mount_all(new_rows)
 
     def update_view(self, view: SessionView) -> None:

@@ -130,6 +130,16 @@ class Transcript(VerticalScroll):
                 return block
         return None
 
+    def show_message(self, message_id: str) -> bool:
+        """Scroll `message_id` to the top of the view and stop following the end; False
+        when it is not rendered (older than the last `MAX_RENDERED`)."""
+        block = self.block(message_id)
+        if block is None:
+            return False
+        self.following = False
+        self.call_after_refresh(self.scroll_to_widget, block, animate=False, top=True)
+        return True
+
     # ------------------------------------------------------------ following the end
 
     def follow_end(self) -> None:
