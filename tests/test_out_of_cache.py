@@ -131,3 +131,22 @@ def test_a_context_size_caps_what_a_conversation_holds_and_is_shown(tiny) -> Non
         )  # fmt: skip
         notice = context_notice(engine, big)
         assert notice is not None and "more than the model's context" in notice
+
+
+async def test_a_failed_reply_names_the_retry_key_and_ctrl_r_tries_again() -> None:
+    """The error says what to change; once changed (here: the engine stops failing, as a
+    lower max tokens or a freed cache would make it), ctrl+r writes the reply again."""
+    app, engine = fake_app(error_after_tokens=2, error_message="the cache is full")
+    async with app.run_test(size=(150, 45)) as pilot:
+        await ready(pilot, app)
+        await pilot.press(*"hi", "enter")
+        await wait_until(pilot, lambda: transcript_texts(app)[-1:] != [] and
+                         transcript_texts(app)[-1][1] == "error", what="the error")  # fmt: skip
+        header = str(app.transcript.blocks()[-1].header.render())
+        assert "the cache is full" in header and "(ctrl+r tries again)" in header
+        assert "tries again" not in str(app.transcript.blocks()[0].header.render())
+        engine.error_after_tokens = None
+        await pilot.press("ctrl+r")
+        await wait_until(pilot, lambda: transcript_texts(app)[-1][1] == "complete", what="retried")
+        assert [t[0] for t in transcript_texts(app)] == ["user", "assistant"]
+        assert "tries again" not in str(app.transcript.blocks()[-1].header.render())

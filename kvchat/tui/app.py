@@ -205,7 +205,9 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
     def compose(self) -> ComposeResult:
         # kept as attributes: a dialog on top must not hide them from the timers
         self.sidebar = SessionList(id="sidebar")
-        self.transcript = Transcript(id="transcript")
+        self.transcript = Transcript(
+            retry_key=keys_for("regenerate", self.keymap).split(",")[0], id="transcript"
+        )
         self.composer = Composer(keymap=self.keymap, id="composer")
         self.attachment_chips = AttachmentChips(id="attachments")
         self.meters = Meters(id="meters")

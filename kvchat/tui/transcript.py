@@ -43,9 +43,12 @@ _STATE_NOTES = {
     MessageState.CANCELLED: "stopped",
     MessageState.ERROR: "error",
 }
+_RETRIABLE = frozenset({MessageState.ERROR, MessageState.INTERRUPTED})
 
 
-def header_text(message: MessageView) -> str:
+def header_text(message: MessageView, retry: str | None = None) -> str:
+    """The role and state line; `retry` (the regenerate key) is named under a failed last
+    reply: the error says what to change, the key is how to try again after."""
     title = _ROLE_TITLES.get(message.role, message.role.title())
     note = _STATE_NOTES.get(message.state)
     if message.state == MessageState.ERROR and message.stats and message.stats.error:
@@ -54,6 +57,8 @@ def header_text(message: MessageView) -> str:
         note = f"interrupted: {message.stats.error}"  # a server's stream broke mid-reply
     if not message.in_context:
         note = (note + ", " if note else "") + "no longer in the model's context"
+    if retry and message.role == "assistant" and message.state in _RETRIABLE:
+        note = f"{note} ({retry} tries again)"
     return f"{title} · {note}" if note else title
 
 
@@ -66,6 +71,7 @@ class MessageBlock(Vertical):
         self.message = message
         self.message_id = message.id
         self.shown = len(message.content)  # characters of the reply rendered so far
+        self.retry: str | None = None  # the key named under it while it is the last reply
         self.header = Label(header_text(message), classes="message-header")
         self.body = StreamingMarkdown(message.content, classes="message-body")
 
@@ -103,7 +109,12 @@ class MessageBlock(Vertical):
         self.remove_class(f"-{self.message.state}")
         self.message = message
         self.add_class(f"-{message.state}")
-        self.header.update(header_text(message))
+        self.header.update(header_text(message, self.retry))
+
+    def set_retry(self, retry: str | None) -> None:
+        if retry != self.retry:
+            self.retry = retry
+            self.header.update(header_text(self.message, retry))
 
 
 class Transcript(VerticalScroll):
@@ -113,8 +124,9 @@ class Transcript(VerticalScroll):
     module docstring).
     """
 
-    def __init__(self, *, id: str | None = None) -> None:
+    def __init__(self, *, retry_key: str = "ctrl+r", id: str | None = None) -> None:
         super().__init__(id=id)
+        self.retry_key = retry_key  # named under a failed last reply
         self.session_id: str | None = None
         self.following = True  # keep the end in view; False once the user scrolls up
         self._end_due = False  # a scroll to the end is queued
@@ -194,6 +206,7 @@ class Transcript(VerticalScroll):
             )
         elif not messages:
             widgets.append(Label("Type a message below and press enter.", classes="empty"))
+        self._name_retry([w for w in widgets if isinstance(w, MessageBlock)])
         with self.app.batch_update():
             await self.remove_children()
             await self.mount_all(widgets)
@@ -228,6 +241,13 @@ class Transcript(VerticalScroll):
             await self.mount_all([MessageBlock(m) for m in new])
             if any(m.role == "user" for m in new):
                 self.follow_end()  # a message sent: show it and its reply, wherever the view was
+        self._name_retry()
+
+    def _name_retry(self, blocks: list[MessageBlock] | None = None) -> None:
+        """The retry key under the last message only: regenerate replaces the last reply."""
+        blocks = self.blocks() if blocks is None else blocks
+        for block in blocks:
+            block.set_retry(self.retry_key if block is blocks[-1] else None)
 
     async def append(self, chunk: Chunk) -> bool:
         """Stream `chunk` into its message; False when the message or earlier text is missing.
