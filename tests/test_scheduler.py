@@ -8,7 +8,13 @@ from kvchat.engine.page_table import PageTable
 from kvchat.engine.request import GenerationRequest
 from kvchat.engine.scheduler import Scheduler
 from kvchat.engine.sequence import Sequence
-from kvchat.engine.step_pacer import MAX_SCALE, MIN_SCALE, StepKind, StepPacer
+from kvchat.engine.step_pacer import (
+    MAX_SCALE,
+    MIN_PREFILL_TOKENS,
+    MIN_SCALE,
+    StepKind,
+    StepPacer,
+)
 from tests.page_table_helpers import FakeMover
 
 
@@ -32,8 +38,8 @@ def run_plan(scheduler: Scheduler) -> dict[int, int]:
     return {seq.id: n for seq, n in plan.runs}
 
 
-def make_scheduler() -> Scheduler:
-    config = EngineConfig(page_size=16, step_token_budget=512)
+def make_scheduler(**config_fields) -> Scheduler:
+    config = EngineConfig(**{"page_size": 16, "step_token_budget": 512, **config_fields})
     table = PageTable(1024, 16, root_salt("m", "float32", "native"), None, FakeMover(1024, 0, 16))
     return Scheduler(config, table)
 
@@ -63,14 +69,43 @@ def test_prefill_chunks_beside_streams_shrink_as_the_context_grows() -> None:
     table.validate()
 
 
-def test_without_streams_a_prompt_prefills_in_full_budget_chunks() -> None:
-    scheduler = make_scheduler()
+def test_without_streams_and_a_time_bound_a_prompt_prefills_in_full_budget_chunks() -> None:
+    scheduler = make_scheduler(prefill_step_s=0)
     long = make_sequence(2, list(range(100, 100 + 3000)))
     scheduler.add(long)
     chunks = []
     while long.to_compute > 1:
         chunks.append(run_plan(scheduler)[2])
     assert chunks[:5] == [512] * 5
+
+
+def test_a_step_without_streams_is_sized_to_its_time_bound_from_the_measured_rate() -> None:
+    """A prompt from another session waits for the step under way: a prefill-only step
+    takes about `prefill_step_s`, however fast the machine prefills."""
+    scheduler = make_scheduler(step_token_budget=3072, prefill_step_s=1.0)
+    pacer = scheduler.pacer
+    long = make_sequence(2, list(range(100, 100 + 9000)))
+    scheduler.add(long)
+    chunks = []
+    for seconds_per_token in (1 / 1000, 1 / 1000, 1 / 500, 1 / 500, 1 / 500, 1 / 500):
+        plan = scheduler.schedule()
+        assert plan.kind is StepKind.PREFILL
+        (seq, n), = plan.runs  # fmt: skip
+        chunks.append(n)
+        seq.num_computed += n
+        scheduler.table.commit(seq.id, seq.tokens[seq.num_computed - n : seq.num_computed])
+        pacer.observe(plan.kind, n * seconds_per_token, n)
+    assert chunks[0] == MIN_PREFILL_TOKENS  # before any step was measured
+    assert chunks[1] == chunks[2] == 1000  # 1 ms a token: a second's worth
+    assert 1000 > chunks[3] > chunks[4] > chunks[5] > 500  # slower: smaller, step by step
+    # a fast machine: up to the token budget; a slow one: never under the floor
+    pacer.prefill_token_s = 1 / 1e6
+    assert pacer.prefill_tokens(3072) == 3072
+    pacer.prefill_token_s = 1.0
+    assert pacer.prefill_tokens(3072) == MIN_PREFILL_TOKENS
+    # a short prompt (mostly a step's fixed cost) does not count as the rate
+    pacer.observe(StepKind.PREFILL, 0.05, 10)
+    assert pacer.prefill_token_s == 1.0
 
 
 def test_the_pacer_scales_chunks_and_steps_report_their_kind() -> None:
@@ -123,3 +158,30 @@ def test_the_pacer_ignores_prefill_only_steps_and_waits_for_a_decode_step() -> N
     for _ in range(100):
         pacer.observe(StepKind.MIXED, 0.001)
     assert pacer.scale == MAX_SCALE
+
+
+def test_a_short_prompt_arriving_during_a_long_prefill_starts_at_the_next_step() -> None:
+    """While prompts wait, prefills under way take a small share of the step: the step
+    that admits the question (and ends in its first token) is short, and the question
+    does not wait for the rest of the document."""
+    scheduler = make_scheduler(prefill_step_s=0)
+    document = make_sequence(1, list(range(100, 100 + 3000)))
+    scheduler.add(document)
+    assert run_plan(scheduler) == {1: 512}
+    question = make_sequence(2, list(range(5000, 5016)))
+    scheduler.add(question)
+    assert run_plan(scheduler) == {1: 256, 2: 16}  # a short step: its first token soon
+    scheduler.table.validate()
+    # a long newcomer: the prompt under way keeps moving beside it
+    scheduler = make_scheduler(prefill_step_s=0)
+    document = make_sequence(1, list(range(100, 100 + 3000)))
+    scheduler.add(document)
+    run_plan(scheduler)
+    scheduler.add(make_sequence(3, list(range(9000, 9000 + 2000))))
+    assert run_plan(scheduler) == {1: 256, 3: 256}
+    # a prompt that cannot be admitted yet (no batch slot) leaves the share to the others
+    scheduler = make_scheduler(prefill_step_s=0, max_batch=1)
+    scheduler.add(make_sequence(1, list(range(100, 100 + 3000))))
+    run_plan(scheduler)
+    scheduler.add(make_sequence(4, list(range(5000, 5016))))
+    assert run_plan(scheduler) == {1: 512}

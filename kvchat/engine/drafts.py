@@ -88,11 +88,13 @@ class DraftQueue:
         decodes: int,
         slots_free: int,
         decode_step_s: float | None,
+        idle_budget: int | None = None,
     ) -> DraftRun | None:
         """Reserve the next draft chunk in `table`, or None when no draft may run now."""
         if prompts_pending or not self._drafts or slots_free <= 0:
             return None
-        budget = self.pacer.chunk(decode_step_s) if decodes else self.step_token_budget
+        idle = self.step_token_budget if idle_budget is None else idle_budget
+        budget = self.pacer.chunk(decode_step_s) if decodes else idle
         if budget <= 0:
             return None
         for draft in list(self._drafts.values()):

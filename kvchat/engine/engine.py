@@ -57,6 +57,7 @@ from kvchat.engine.sampling import sample_next
 from kvchat.engine.scheduler import Scheduler, StepPlan
 from kvchat.engine.sequence import Sequence
 from kvchat.engine.stats import DiskBytes, EngineStats, Evictions, Residency, TierPages
+from kvchat.engine.step_pacer import StepKind
 from kvchat.errors import KvchatError
 from kvchat.model.batch import ForwardBatch
 from kvchat.model.detokenizer import IncrementalDetokenizer
@@ -388,14 +389,17 @@ class Engine:
         with self._lock:
             self._after_forward(plan, logits, started)
             seconds = time.monotonic() - started
+            tokens = sum(n for _, n in plan.runs)
             if draft is None:
-                self.scheduler.pacer.observe(plan.kind, seconds)
+                self.scheduler.pacer.observe(plan.kind, seconds, tokens)
             else:
                 self.drafts.finish_step(draft, self.table)
                 self._rates.add_to_last(PREFILL_TOKENS, draft.n)
                 if plan.runs:  # beside decodes: what the draft chunk cost the streams
                     decode_s = self.scheduler.pacer.decode_step_s
                     self.drafts.pacer.observe(seconds, decode_s, draft.n)
+                else:  # alone: a prefill step like a prompt's, for the same time bound
+                    self.scheduler.pacer.observe(StepKind.PREFILL, seconds, draft.n)
             self._publish_stats()
 
     def _idle_step(self) -> bool:
@@ -449,6 +453,7 @@ class Engine:
             decodes=plan.decodes,
             slots_free=self.config.max_batch - len(running),
             decode_step_s=self.scheduler.pacer.decode_step_s,
+            idle_budget=self.scheduler.pacer.prefill_tokens(self.config.step_token_budget),
         )
 
     def _drain_inbox(self) -> None:

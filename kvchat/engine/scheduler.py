@@ -18,7 +18,9 @@ from kvchat.engine.config import EngineConfig
 from kvchat.engine.page_table import PageTable, Reservation
 from kvchat.engine.request import RequestState
 from kvchat.engine.sequence import Sequence
-from kvchat.engine.step_pacer import StepKind, StepPacer
+from kvchat.engine.step_pacer import MIN_PREFILL_TOKENS, StepKind, StepPacer
+
+BESIDE_NEW_PROMPTS = MIN_PREFILL_TOKENS  # tokens of prefills under way in a step admitting
 
 
 @dataclass
@@ -46,7 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the newest is last
         self.preemptions = 0
-        self.pacer = StepPacer(config.mixed_step_slowdown)
+        self.pacer = StepPacer(config.mixed_step_slowdown, config.prefill_step_s)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -88,14 +90,25 @@ class Scheduler:
         if decoding:
             paced = int(self.config.prefill_tokens_while_decoding * self.pacer.scale)
             budget = min(budget, max(self.config.min_prefill_chunk, paced))
-        # 2. prefills already under way continue in admission order
+        else:  # no stream: bounded in time, for a prompt that arrives meanwhile
+            budget = self.pacer.prefill_tokens(budget)
+        # 2. prefills already under way continue in admission order; while prompts wait,
+        #    with a small share only: the step that admits a prompt ends in its first
+        #    token, so a question from another session neither waits for the rest of a
+        #    long prompt nor for a long step beside it
+        share = min(budget // 2, BESIDE_NEW_PROMPTS) if self.waiting else budget
+        held = budget - share
+        budget = share
+        continuing: list[int] = []  # their places in plan.runs
         for seq in self.running:
             if budget <= 0:
                 break
             if seq.to_compute > 1:
                 n = min(seq.to_compute, budget, self._chunk_cap(seq, decoding))
+                continuing.append(len(plan.runs))
                 plan.runs.append((seq, n))
                 budget -= n
+        budget += held
         # 3. admit new requests while budget and batch slots last
         blocked: Sequence | None = None
         for seq in list(self.waiting):
@@ -119,6 +132,15 @@ class Scheduler:
             n = min(seq.to_compute, budget, self._chunk_cap(seq, decoding))
             plan.runs.append((seq, n))
             budget -= n
+        # 4. nothing admitted (no pages or slots yet): the share held goes back
+        for place in continuing if not plan.admitted else ():
+            if budget <= 0:
+                break
+            seq, n = plan.runs[place]
+            more = min(seq.to_compute, n + budget, self._chunk_cap(seq, decoding)) - n
+            if more > 0:
+                plan.runs[place] = (seq, n + more)
+                budget -= more
         return plan
 
     def _chunk_cap(self, seq: Sequence, decoding: bool) -> int:
@@ -131,7 +153,7 @@ class Scheduler:
         The pacer scales it to what this machine does in the time allowed.
         """
         if not decoding:
-            return self.config.step_token_budget
+            return self.config.step_token_budget  # (the step's budget bounds it)
         allowed = self.config.prefill_work_while_decoding * self.pacer.scale
         work = int(allowed) // max(1, seq.num_computed)
         return max(self.config.min_prefill_chunk, work)
