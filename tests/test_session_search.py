@@ -5,14 +5,24 @@ from __future__ import annotations
 
 from textual.command import CommandList, CommandPalette
 
+from kvchat.chat.service import SessionService
+from kvchat.chat.store import Store
+from kvchat.testing.fake_engine import CharRenderer, FakeEngine
 from kvchat.testing.tui import fake_app, new_sessions, ready, wait_until
-from tests.test_chat_session import make, say_and_wait
 
 SIZE = (150, 45)
 
 
+def say_and_wait(service: SessionService, sid: str, text: str) -> None:
+    service.say(sid, text)
+    assert service.wait_idle(sid, timeout=10)
+
+
 def test_titles_then_messages_newest_first_case_and_spacing_ignored() -> None:
-    service, engine, _ = make()
+    engine, renderer = FakeEngine(), CharRenderer()
+    service = SessionService(
+        engine, renderer, Store.in_memory(), stop_token_ids=renderer.stop_token_ids
+    )
     try:
         older = service.create_session()
         newer = service.create_session()
