@@ -71,6 +71,19 @@ def test_sliding_window_attention_is_refused_with_a_clear_error(tmp_path, tiny_l
         load_model(str(folder), device="cpu")
 
 
+def test_a_smollm3_layer_list_of_the_wrong_length_is_a_clear_error(tmp_path, tiny_llama_dir):
+    """SmolLM3's no_rope_layers says which layers rotate: one entry short is a damaged
+    folder, not a model to run with a guess."""
+    folder = tmp_path / "smollm3"
+    shutil.copytree(tiny_llama_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    config.update(model_type="smollm3", no_rope_layers=[1] * (layers - 1))
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=rf"no_rope_layers has {layers - 1} entries"):
+        load_model(str(folder), device="cpu")
+
+
 def test_folder_without_tokenizer_is_a_clear_error(tmp_path, tiny_llama_dir):
     folder = tmp_path / "notok"
     shutil.copytree(tiny_llama_dir, folder)

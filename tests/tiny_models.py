@@ -29,8 +29,8 @@ def write_tiny_model(
     with_tokenizer: bool = True,
     **overrides,
 ) -> Path:
-    """Write a tiny random model of `family` ("llama", "llama3", "qwen2", "qwen3") into
-    `folder`."""
+    """Write a tiny random model of `family` ("llama", "llama3", "qwen2", "qwen3",
+    "smollm3") into `folder`."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -38,6 +38,8 @@ def write_tiny_model(
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
     )
 
     torch.manual_seed(seed)
@@ -47,6 +49,15 @@ def write_tiny_model(
             **{"head_dim": 32, **shapes}, tie_word_embeddings=True, rope_theta=1_000_000.0
         )
         model = Qwen3ForCausalLM(config)
+    elif family == "smollm3":  # four layers, so the fourth attends without rotary
+        config = SmolLM3Config(
+            **{**shapes, "num_hidden_layers": max(4, shapes["num_hidden_layers"])},
+            rope_theta=5_000_000.0,
+            pad_token_id=None,  # its default, 128004, lies beyond a tiny vocabulary
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        model = SmolLM3ForCausalLM(config)
     elif family == "qwen2":
         config = Qwen2Config(**shapes, tie_word_embeddings=True, rope_theta=1_000_000.0)
         model = Qwen2ForCausalLM(config)

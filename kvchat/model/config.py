@@ -2,7 +2,8 @@
 
 One dataclass for the Llama family and the families that add a step to it: Llama
 2/3.x, Mistral, Qwen2/2.5 and SmolLM2 differ only in values (q/k/v bias, rope scaling,
-tied embeddings); Qwen3 adds a per-head RMSNorm of q and k before rotary (`qk_norm`).
+tied embeddings); Qwen3 adds a per-head RMSNorm of q and k before rotary (`qk_norm`);
+SmolLM3 leaves rotary out of every fourth layer (`rope_layers`).
 Anything else is refused here, with a message, before any weight is read.
 """
 
@@ -15,8 +16,8 @@ from typing import Any
 
 from kvchat.errors import ModelLoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_FAMILIES = "Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 (dense), SmolLM2, TinyLlama"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+SUPPORTED_FAMILIES = "Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 (dense), SmolLM2, SmolLM3, TinyLlama"
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class ModelConfig:
     attention_bias: bool  # Qwen2 has q/k/v biases
     rope_scaling: RopeScaling | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before rotary
+    # SmolLM3: which layers rotate q and k (the others attend without positions); None: all
+    rope_layers: tuple[bool, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -57,6 +60,9 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def layer_uses_rope(self, index: int) -> bool:
+        return self.rope_layers is None or self.rope_layers[index]
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -100,6 +106,7 @@ class ModelConfig:
                 attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
                 rope_scaling=_rope_scaling(scaling),
                 qk_norm=model_type == "qwen3",
+                rope_layers=_rope_layers(raw, model_type),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
@@ -120,6 +127,25 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError) as exc:
             raise ModelLoadError(f"{path} cannot be read as JSON ({exc}).") from exc
         return cls.from_dict(raw)
+
+
+def _rope_layers(raw: dict[str, Any], model_type: str) -> tuple[bool, ...] | None:
+    """SmolLM3's `no_rope_layers` (1 where a layer rotates, despite the name), or every
+    `no_rope_layer_interval`-th layer (4 by default) left without rotary, as transformers
+    fills the list in; None for the families that rotate in every layer."""
+    if model_type != "smollm3":
+        return None
+    layers = int(raw["num_hidden_layers"])
+    listed = raw.get("no_rope_layers")
+    if listed is not None:
+        if len(listed) != layers:
+            raise ModelLoadError(
+                f"config.json's no_rope_layers has {len(listed)} entries for {layers} layers; "
+                "the model folder looks damaged. Re-download it."
+            )
+        return tuple(bool(x) for x in listed)
+    interval = int(raw.get("no_rope_layer_interval") or 4)
+    return tuple((i + 1) % interval != 0 for i in range(layers))
 
 
 def _rope_scaling(raw: Any) -> RopeScaling | None:

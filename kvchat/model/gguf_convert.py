@@ -10,7 +10,8 @@ One translation is not a rename: llama.cpp's converter permutes the rows of
 the query and key projections of the `llama` architecture (from Hugging Face's
 "rotate half" rotary layout to GPT-J's interleaved one). Skipping the
 inverse gives a model that runs and talks plausible nonsense, so it is undone
-here, exactly as transformers' GGUF loader does. `qwen2` and `qwen3` are converted
+here, exactly as transformers' GGUF loader does (`smollm3`'s converter derives from
+the `llama` one and permutes too). `qwen2` and `qwen3` are converted
 without that permutation (llama.cpp's Qwen2 converter, which Qwen3's derives from, does
 not apply it); Qwen3's per-head q/k norms are `attn_q_norm` / `attn_k_norm`.
 """
@@ -28,12 +29,17 @@ from kvchat.errors import ModelLoadError
 from kvchat.model.gguf_dequant import dequantize
 from kvchat.model.gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3")
+# the architectures whose q/k rows llama.cpp's converter permutes (`llama_cpp_permute`)
+PERMUTED_ARCHITECTURES = ("llama", "smollm3")
+# llama.cpp runs SmolLM3 with rotary left out of every fourth layer; the file does not say
+SMOLLM3_NO_ROPE_INTERVAL = 4
 
 _HF_ARCH = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
 }
 
 # GGUF tensor name -> Hugging Face name; {i} is the layer index.
@@ -69,7 +75,8 @@ def check_architecture(metadata: dict[str, object]) -> str:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported architecture {arch}; kvchat runs GGUFs of the llama (Llama, "
-            "Mistral, SmolLM2), qwen2 and qwen3 architectures. Choose a GGUF of one of those."
+            "Mistral, SmolLM2), qwen2, qwen3 and smollm3 architectures. Choose a GGUF of one "
+            "of those."
         )
     return str(arch)
 
@@ -105,7 +112,7 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, object]:
     n_heads = int(_required(md, f"{arch}.attention.head_count"))  # type: ignore[arg-type]
     n_kv_heads = int(md.get(f"{arch}.attention.head_count_kv", n_heads))  # type: ignore[arg-type]
     head_dim = md.get(f"{arch}.attention.key_length")
-    if head_dim is None and arch == "llama":
+    if head_dim is None and arch in PERMUTED_ARCHITECTURES:
         head_dim = md.get(f"{arch}.rope.dimension_count")
     head_dim = int(head_dim) if head_dim is not None else hidden // n_heads  # type: ignore[arg-type]
 
@@ -134,6 +141,8 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, object]:
         "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
         "hidden_act": "silu",
     }
+    if arch == "smollm3":
+        config["no_rope_layer_interval"] = SMOLLM3_NO_ROPE_INTERVAL
     for gguf_key, hf_key in (
         ("tokenizer.ggml.bos_token_id", "bos_token_id"),
         ("tokenizer.ggml.eos_token_id", "eos_token_id"),
@@ -220,7 +229,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
         return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
     raise ModelLoadError(
         f"the GGUF holds a tensor {gguf_name!r} that kvchat's Llama-family model has no place "
-        "for; the file is not a plain llama, qwen2 or qwen3 model."
+        "for; the file is not a plain llama, qwen2, qwen3 or smollm3 model."
     )
 
 
@@ -258,7 +267,7 @@ def gguf_state_dict(gguf: GGUFFile, dtype: torch.dtype) -> Iterator[tuple[str, t
         if hf_name is None:
             continue
         weight = dequantize(gguf.raw(name), info.ggml_type, info.shape)  # float32, torch order
-        if arch == "llama":
+        if arch in PERMUTED_ARCHITECTURES:
             if ".attn_q." in name:
                 weight = undo_llama_cpp_permute(weight, n_heads)
             elif ".attn_k." in name:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvchat.model.config import ModelConfig
-from kvchat.model.gguf_convert import undo_llama_cpp_permute
+from kvchat.model.gguf_convert import PERMUTED_ARCHITECTURES, undo_llama_cpp_permute
 from kvchat.model.gguf_dequant import dequantize, unpack_q4, unpack_q8_0
 from kvchat.model.gguf_file import GGMLType, GGUFFile
 from kvchat.model.linear import Linear
@@ -47,7 +47,7 @@ def quantized_linears(
     dense: dict[str, torch.Tensor] | None,
 ) -> dict[str, Linear]:
     """HF-named `Linear`s for the 4-bit matrices; `dense` (HF names) gives prefill copies."""
-    permute = gguf.metadata.get("general.architecture") == "llama"
+    permute = gguf.metadata.get("general.architecture") in PERMUTED_ARCHITECTURES
     heads = {"q": config.num_heads, "k": config.num_kv_heads}
     hf_parts = {
         "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

@@ -1,4 +1,5 @@
-"""The Llama-family forward pass in plain torch (and Qwen3's q/k norms, `Layer`).
+"""The Llama-family forward pass in plain torch (and Qwen3's q/k norms and SmolLM3's
+layers without rotary, `Layer`).
 
 Written to be checked against the paper and transformers' LlamaModel line by line;
 the differences are for speed only: q/k/v and gate/up are fused into one matmul
@@ -28,8 +29,9 @@ from kvchat.model.rope import RotaryTable
 class Layer:
     """One decoder layer's weights (fused) and its forward."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], index: int = 0):
         self.config = config
+        self.rotates = config.layer_uses_rope(index)
         self.input_norm = weights["input_layernorm.weight"]
         self.post_norm = weights["post_attention_layernorm.weight"]
         # Qwen3: each head of q and k normalized (one weight of head_dim) before rotary
@@ -64,7 +66,8 @@ class Layer:
         t = qkv.shape[0]
         if self.q_norm is not None:
             self._norm_heads(qkv, t)
-        rotate_(qkv, cos, sin, c.num_heads + c.num_kv_heads)  # q and k, in place, in one op
+        if self.rotates:
+            rotate_(qkv, cos, sin, c.num_heads + c.num_kv_heads)  # q and k, in place, in one op
         q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
@@ -107,7 +110,7 @@ class Transformer:
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self.layers = [
-            Layer(config, _strip_prefix(weights, f"model.layers.{i}."))
+            Layer(config, _strip_prefix(weights, f"model.layers.{i}."), i)
             for i in range(config.num_layers)
         ]
         linears = self._linears()
