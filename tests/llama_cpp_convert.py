@@ -69,3 +69,34 @@ def convert(hf_folder: Path, out: Path, outtype: str = "f32") -> Path:
     if done.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-3000:]}")
     return out
+
+
+def requantize(source: Path, out: Path, qtype: str = "Q4_0") -> Path:
+    """`source` (a converter's f32 GGUF) with its layers' matrices in `qtype`, the rest as
+    it is: what `llama-quantize` makes of the layers, which the llama-server build leaves
+    out. Metadata is copied field by field; the matrices are quantized by gguf-py's own
+    reference code."""
+    import gguf
+    import numpy as np
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(out, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
+    for tensor in reader.tensors:
+        data = np.asarray(tensor.data)
+        if tensor.name.startswith("blk.") and data.ndim == 2 and data.dtype == np.float32:
+            writer.add_tensor(tensor.name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(tensor.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -8,12 +8,16 @@ converter recognizes), so the converter writes a real vocabulary and chat templa
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from kvchat.model.config import ModelConfig
 from kvchat.model.loader import load_model
-from tests.llama_cpp_convert import ConverterUnavailable, convert
+from tests.llama_cpp_convert import ConverterUnavailable, convert, requantize
 from tests.parity_helpers import kvchat_logits, rel_err
+from tests.tiny_models import PHI3_ORIGINAL_CONTEXT
 
 pytestmark = pytest.mark.real_model
 
@@ -25,11 +29,16 @@ def default_tokenizer(default_gguf_path):
     return AutoTokenizer.from_pretrained(default_gguf_path.parent, gguf_file=default_gguf_path.name)
 
 
-# family -> what the file must say of it once read back
+# family -> what the file must say of it once read back (its config, the folder's)
 FAMILIES = {
-    "qwen3": lambda c: c.qk_norm and c.head_dim == 32,  # head_dim from key_length
-    "smollm3": lambda c: c.rope_layers == (True, True, True, False),  # llama.cpp's fixed 4
+    "qwen3": lambda c, _: c.qk_norm and c.head_dim == 32,  # head_dim from key_length
+    "smollm3": lambda c, _: c.rope_layers == (True, True, True, False),  # llama.cpp's fixed 4
+    # rotary dimensions, LongRoPE's factor sets and attention factor from the file
+    "phi3": lambda c, hf: (c.rotary_dim, c.rope_scaling) == (12, hf.rope_scaling),
 }
+# the context each family runs in here: Phi-3's short LongRoPE set, as transformers uses
+# for a prompt this short (tests/test_model_phi3.py)
+CONTEXT = {"phi3": PHI3_ORIGINAL_CONTEXT}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -39,6 +48,10 @@ def family_folder(request, tmp_path_factory, default_tokenizer):
     folder = tmp_path_factory.mktemp(request.param)
     write_tiny_model(folder, request.param, vocab_size=len(default_tokenizer), with_tokenizer=False)
     default_tokenizer.save_pretrained(folder)
+    if request.param == "phi3":  # llama.cpp's Phi-3 converter reads a GPT-2 BPE by this name
+        config_file = folder / "tokenizer_config.json"
+        tokenizer_config = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps({**tokenizer_config, "tokenizer_class": "GPT2Tokenizer"}))
     return request.param, folder
 
 
@@ -60,7 +73,11 @@ def test_a_gguf_from_llama_cpps_converter_gives_transformers_logits(
     except ConverterUnavailable as exc:
         pytest.skip(f"llama.cpp's converter could not be fetched: {exc}")
     model = load_model(str(gguf), dtype="float32", device="cpu")
-    assert model.config.model_type == family and FAMILIES[family](model.config)
+    assert model.config.model_type == family and FAMILIES[family](
+        model.config, ModelConfig.from_file(folder / "config.json")
+    )
+    if family in CONTEXT:
+        model.transformer.fit_context(CONTEXT[family])
     ids = torch.randint(
         0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(1)
     )
@@ -70,3 +87,33 @@ def test_a_gguf_from_llama_cpps_converter_gives_transformers_logits(
     folder_model = load_model(str(folder), dtype="float32", device="cpu")
     chat = [{"role": "user", "content": "What is a KV cache?"}]
     assert model.renderer.prompt_ids(chat) == folder_model.renderer.prompt_ids(chat)
+
+
+def test_a_4_bit_gguf_keeps_its_layers_4_bit_and_gives_the_f32_files_logits(
+    family_folder, tmp_path
+) -> None:
+    """The layers of a Q4_0 file multiply through kvchat's 4-bit kernels (Phi-3's fused
+    q/k/v and gate/up matrices as they are in the file), and give what the same file's
+    weights dequantized give."""
+    family, folder = family_folder
+    try:
+        f32 = convert(folder, tmp_path / f"{family}-f32.gguf", "f32")
+    except ConverterUnavailable as exc:
+        pytest.skip(f"llama.cpp's converter could not be fetched: {exc}")
+    q4 = requantize(f32, tmp_path / f"{family}-q4_0.gguf")
+    native = load_model(str(q4), dtype="float32", device="cpu", weights="native")
+    dense = load_model(str(q4), dtype="float32", device="cpu", weights="bf16")
+    layer = native.transformer.layers[0]
+    assert "Q4" in type(layer.qkv).__name__ and "Q4" in type(layer.gate_up).__name__
+    assert "Q4" not in type(dense.transformer.layers[0].qkv).__name__
+    for model in (native, dense):
+        if family in CONTEXT:
+            model.transformer.fit_context(CONTEXT[family])
+    ids = torch.randint(
+        0, native.config.vocab_size, (48,), generator=torch.Generator().manual_seed(4)
+    )
+    error = rel_err(
+        kvchat_logits(native, ids.tolist(), paged=True),
+        kvchat_logits(dense, ids.tolist(), paged=True),
+    )
+    assert error < 1e-4, error

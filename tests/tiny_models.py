@@ -20,6 +20,24 @@ TINY_SHAPES = dict(
 )
 
 
+# Phi-4-mini's rotary, scaled down: 3/4 of each head (12 of 16 dimensions) rotates,
+# LongRoPE with an original context of 256 in a context of 2,048 (attention factor
+# sqrt(1 + ln 8 / ln 256)); short and long factors far apart so a mix-up shows
+PHI3_ORIGINAL_CONTEXT = 256
+PHI3_ROPE = dict(
+    partial_rotary_factor=0.75,
+    original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT,
+    rope_parameters={
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75,
+        "original_max_position_embeddings": PHI3_ORIGINAL_CONTEXT,
+        "short_factor": [1.0, 1.05, 1.2, 1.6, 2.5, 4.0],
+        "long_factor": [1.0, 2.0, 4.0, 9.0, 20.0, 45.0],
+    },
+)
+
+
 def write_tiny_model(
     folder: Path,
     family: str = "llama",
@@ -29,11 +47,13 @@ def write_tiny_model(
     with_tokenizer: bool = True,
     **overrides,
 ) -> Path:
-    """Write a tiny random model of `family` ("llama", "llama3", "qwen2", "qwen3",
+    """Write a tiny random model of `family` ("llama", "llama3", "phi3", "qwen2", "qwen3",
     "smollm3") into `folder`."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -58,6 +78,9 @@ def write_tiny_model(
             eos_token_id=2,
         )
         model = SmolLM3ForCausalLM(config)
+    elif family == "phi3":
+        config = Phi3Config(**shapes, **PHI3_ROPE, tie_word_embeddings=True, pad_token_id=None)
+        model = Phi3ForCausalLM(config)
     elif family == "qwen2":
         config = Qwen2Config(**shapes, tie_word_embeddings=True, rope_theta=1_000_000.0)
         model = Qwen2ForCausalLM(config)

@@ -128,7 +128,15 @@ class Engine:
         self.host_store = (
             HostKVStore(host_slots, *geometry, device, kv_format) if host_slots else None
         )
-        salt = root_salt(model.fingerprint, dtype_name(dtype), self.config.kv_format)
+        self.max_context = min(
+            mc.max_position_embeddings,
+            self.transformer.max_positions,
+            self.config.context_tokens or mc.max_position_embeddings,
+        )
+        # keys rotated by another of LongRoPE's frequency sets are other keys
+        rotary_set = self.transformer.fit_context(self.max_context)
+        fingerprint = model.fingerprint + (f"-rope-{rotary_set}" if rotary_set else "")
+        salt = root_salt(fingerprint, dtype_name(dtype), self.config.kv_format)
         self.mover = KVPageMover(self.store, self.host_store)
         self.disk: DiskTier | None = None
         if self.config.disk_cache_bytes > 0:
@@ -160,11 +168,6 @@ class Engine:
             native_build.request()  # in the background: torch's kernels serve until it loads
         self.scheduler = Scheduler(self.config, self.table)
         self.drafts = DraftQueue(self.config.step_token_budget)
-        self.max_context = min(
-            mc.max_position_embeddings,
-            self.transformer.max_positions,
-            self.config.context_tokens or mc.max_position_embeddings,
-        )
         self.stop_ids = frozenset(self.tokenizer.stop_token_ids)
 
         self._lock = threading.Lock()  # guards the page table and the inbox

@@ -3,32 +3,43 @@
 One dataclass for the Llama family and the families that add a step to it: Llama
 2/3.x, Mistral, Qwen2/2.5 and SmolLM2 differ only in values (q/k/v bias, rope scaling,
 tied embeddings); Qwen3 adds a per-head RMSNorm of q and k before rotary (`qk_norm`);
-SmolLM3 leaves rotary out of every fourth layer (`rope_layers`).
+SmolLM3 leaves rotary out of every fourth layer (`rope_layers`); Phi-3 / Phi-4-mini fuse
+q/k/v and gate/up in their files (split on load, `fused_weights`), rotate only part of
+each head (`partial_rotary_factor`) and scale rotary by LongRoPE's per-frequency factors.
 Anything else is refused here, with a message, before any weight is read.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvchat.errors import ModelLoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
-SUPPORTED_FAMILIES = "Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3 (dense), SmolLM2, SmolLM3, TinyLlama"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
+SUPPORTED_FAMILIES = (
+    "Llama 2/3.x, Mistral, Phi-3 / Phi-4-mini, Qwen2/2.5, Qwen3 (dense), SmolLM2, SmolLM3, "
+    "TinyLlama"
+)
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.x's frequency-dependent rope scaling ("llama3"), or "linear"."""
+    """Llama 3.x's frequency-dependent rope scaling ("llama3"), "linear", or Phi-3's
+    "longrope": a divisor per frequency, one set for contexts up to the original
+    length and one beyond it, and cos/sin scaled by `attention_factor`."""
 
     kind: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +61,7 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before rotary
     # SmolLM3: which layers rotate q and k (the others attend without positions); None: all
     rope_layers: tuple[bool, ...] | None = None
+    partial_rotary_factor: float = 1.0  # Phi-3: the share of each head that rotates
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -60,6 +72,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each q/k head that rotate (transformers' rounding)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_uses_rope(self, index: int) -> bool:
         return self.rope_layers is None or self.rope_layers[index]
@@ -73,9 +90,16 @@ class ModelConfig:
                 f"Unsupported architecture {archs[0]!r} (model_type {model_type!r}). kvchat runs "
                 f"{SUPPORTED_FAMILIES}. Pick a model of one of those with --model."
             )
-        if raw.get("use_sliding_window") and raw.get("sliding_window"):
+        window = raw.get("sliding_window")
+        # Phi-3 has no use_sliding_window switch: a window applies wherever it is set, and
+        # Phi-4-mini's (262,144) is beyond its context, so it never takes effect
+        windowed = raw.get("use_sliding_window") or (
+            model_type == "phi3" and window and window < raw.get("max_position_embeddings", 0)
+        )
+        if windowed and window:
             raise ModelLoadError(
-                f"This {model_type} model uses sliding-window attention (use_sliding_window), "
+                f"This {model_type} model uses sliding-window attention (a window of {window} "
+                "tokens), "
                 "which kvchat does not run yet; pick a model without it."
             )
         try:
@@ -87,6 +111,11 @@ class ModelConfig:
             theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
             scaling = (
                 rope if rope.get("rope_type") not in (None, "default") else raw.get("rope_scaling")
+            )
+            partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+            max_positions = int(raw.get("max_position_embeddings", 4096))
+            original = rope.get(
+                "original_max_position_embeddings", raw.get("original_max_position_embeddings")
             )
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -101,12 +130,13 @@ class ModelConfig:
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(theta),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+                max_position_embeddings=max_positions,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-                rope_scaling=_rope_scaling(scaling),
+                rope_scaling=_rope_scaling(scaling, max_positions, original),
                 qk_norm=model_type == "qwen3",
                 rope_layers=_rope_layers(raw, model_type),
+                partial_rotary_factor=float(partial),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
@@ -148,12 +178,14 @@ def _rope_layers(raw: dict[str, Any], model_type: str) -> tuple[bool, ...] | Non
     return tuple((i + 1) % interval != 0 for i in range(layers))
 
 
-def _rope_scaling(raw: Any) -> RopeScaling | None:
+def _rope_scaling(raw: Any, max_positions: int, original: Any) -> RopeScaling | None:
     if not raw:
         return None
     kind = raw.get("rope_type") or raw.get("type")
     if kind == "default":
         return None
+    if kind in ("longrope", "su"):
+        return _longrope(raw, max_positions, original)
     if kind == "llama3":
         return RopeScaling(
             kind="llama3",
@@ -165,5 +197,23 @@ def _rope_scaling(raw: Any) -> RopeScaling | None:
     if kind == "linear":
         return RopeScaling(kind="linear", factor=float(raw["factor"]))
     raise ModelLoadError(
-        f"Unsupported rope scaling {kind!r}; kvchat supports 'llama3' and 'linear'."
+        f"Unsupported rope scaling {kind!r}; kvchat supports 'llama3', 'linear' and 'longrope'."
+    )
+
+
+def _longrope(raw: dict[str, Any], max_positions: int, original: Any) -> RopeScaling:
+    """Phi-3's LongRoPE as transformers reads it: the attention factor, unless given,
+    from the ratio of the context to the original one (sqrt(1 + ln s / ln original))."""
+    original = int(raw.get("original_max_position_embeddings") or original or max_positions)
+    factor = float(raw.get("factor") or max_positions / original)
+    attention = raw.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(
+        kind="longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        short_factor=tuple(float(x) for x in raw["short_factor"]),
+        long_factor=tuple(float(x) for x in raw["long_factor"]),
+        attention_factor=float(attention),
     )

@@ -29,7 +29,7 @@ from kvchat.errors import ModelLoadError
 from kvchat.model.gguf_dequant import dequantize
 from kvchat.model.gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3")
+SUPPORTED_ARCHITECTURES = ("llama", "phi3", "qwen2", "qwen3", "smollm3")
 # the architectures whose q/k rows llama.cpp's converter permutes (`llama_cpp_permute`)
 PERMUTED_ARCHITECTURES = ("llama", "smollm3")
 # llama.cpp runs SmolLM3 with rotary left out of every fourth layer; the file does not say
@@ -40,6 +40,7 @@ _HF_ARCH = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 
 # GGUF tensor name -> Hugging Face name; {i} is the layer index.
@@ -64,9 +65,16 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
     "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# Phi-3 keeps Hugging Face's fused q/k/v and gate/up matrices (gate first, as there)
+_ARCH_LAYER_NAMES = {
+    "phi3": {
+        "attn_qkv.weight": "self_attn.qkv_proj.weight",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+    },
+}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Tensors that describe the model rather than hold weights: read into the config.
-_CONFIG_TENSORS = {"rope_freqs.weight"}
+_CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 def check_architecture(metadata: dict[str, object]) -> str:
@@ -75,8 +83,8 @@ def check_architecture(metadata: dict[str, object]) -> str:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported architecture {arch}; kvchat runs GGUFs of the llama (Llama, "
-            "Mistral, SmolLM2), qwen2, qwen3 and smollm3 architectures. Choose a GGUF of one "
-            "of those."
+            "Mistral, SmolLM2), phi3 (Phi-3, Phi-4-mini), qwen2, qwen3 and smollm3 "
+            "architectures. Choose a GGUF of one of those."
         )
     return str(arch)
 
@@ -143,6 +151,9 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, object]:
     }
     if arch == "smollm3":
         config["no_rope_layer_interval"] = SMOLLM3_NO_ROPE_INTERVAL
+    rope_dims = md.get(f"{arch}.rope.dimension_count")
+    if arch == "phi3" and rope_dims is not None and int(rope_dims) != head_dim:  # type: ignore[call-overload]
+        config["partial_rotary_factor"] = int(rope_dims) / head_dim  # type: ignore[call-overload]
     for gguf_key, hf_key in (
         ("tokenizer.ggml.bos_token_id", "bos_token_id"),
         ("tokenizer.ggml.eos_token_id", "eos_token_id"),
@@ -161,6 +172,8 @@ def _rope_scaling(
     gguf: GGUFFile, arch: str, head_dim: int, theta: float
 ) -> dict[str, object] | None:
     md = gguf.metadata
+    if "rope_factors_long.weight" in gguf.tensors:
+        return _longrope_scaling(gguf, arch)
     kind = md.get(f"{arch}.rope.scaling.type")
     if kind is not None and kind != "none":
         if kind not in ("linear", "yarn"):
@@ -178,6 +191,39 @@ def _rope_scaling(
         factors = dequantize(gguf.raw(info.name), info.ggml_type, info.shape).double()
         return _llama3_rope_scaling(factors, head_dim, theta)
     return None
+
+
+def _longrope_scaling(gguf: GGUFFile, arch: str) -> dict[str, object]:
+    """Phi-3's LongRoPE: llama.cpp's converter writes its two factor sets as tensors and
+    the attention factor and original context as metadata, not a scaling type."""
+    md = gguf.metadata
+    factors = {}
+    for which in ("long", "short"):
+        info = gguf.tensors.get(f"rope_factors_{which}.weight")
+        if info is None:
+            raise ModelLoadError(
+                f"the GGUF has LongRoPE factors without rope_factors_{which}; the file is "
+                "incomplete. Convert the model again."
+            )
+        values = dequantize(gguf.raw(info.name), info.ggml_type, info.shape)
+        factors[which] = [_f32(v) for v in values.tolist()]
+    scaling: dict[str, object] = {
+        "rope_type": "longrope",
+        "long_factor": factors["long"],
+        "short_factor": factors["short"],
+        "original_max_position_embeddings": int(
+            _required(md, f"{arch}.rope.scaling.original_context_length")  # type: ignore[call-overload]
+        ),
+    }
+    # the file's attention factor is the float32 rounding of the one transformers derives
+    # from the two context lengths: kept only where it is another value
+    attention = md.get(f"{arch}.rope.scaling.attn_factor")
+    original = int(scaling["original_max_position_embeddings"])  # type: ignore[call-overload]
+    ratio = int(md.get(f"{arch}.context_length", original)) / original  # type: ignore[call-overload]
+    derived = 1.0 if ratio <= 1.0 else math.sqrt(1 + math.log(ratio) / math.log(original))
+    if attention is not None and abs(float(attention) - derived) > 1e-6:  # type: ignore[arg-type]
+        scaling["attention_factor"] = float(attention)  # type: ignore[arg-type]
+    return scaling
 
 
 def _llama3_rope_scaling(factors: torch.Tensor, head_dim: int, theta: float) -> dict[str, object]:
@@ -218,18 +264,19 @@ def _llama3_rope_scaling(factors: torch.Tensor, head_dim: int, theta: float) -> 
     return params
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The Hugging Face name of a GGUF tensor; None for tensors that are config, not weights."""
     if gguf_name in _CONFIG_TENSORS:
         return None
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.match(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     raise ModelLoadError(
         f"the GGUF holds a tensor {gguf_name!r} that kvchat's Llama-family model has no place "
-        "for; the file is not a plain llama, qwen2, qwen3 or smollm3 model."
+        "for; the file is not a plain llama, phi3, qwen2, qwen3 or smollm3 model."
     )
 
 
@@ -263,7 +310,7 @@ def gguf_state_dict(gguf: GGUFFile, dtype: torch.dtype) -> Iterator[tuple[str, t
     n_heads = int(_required(md, f"{arch}.attention.head_count"))  # type: ignore[arg-type]
     n_kv_heads = int(md.get(f"{arch}.attention.head_count_kv", n_heads))  # type: ignore[arg-type]
     for name, info in gguf.tensors.items():
-        hf_name = hf_tensor_name(name)
+        hf_name = hf_tensor_name(name, arch)
         if hf_name is None:
             continue
         weight = dequantize(gguf.raw(name), info.ggml_type, info.shape)  # float32, torch order

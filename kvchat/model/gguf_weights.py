@@ -38,6 +38,12 @@ _GROUPS = {
     "mlp.gate_up_proj": (("ffn_gate", None), ("ffn_up", None)),
     "mlp.down_proj.weight": (("ffn_down", None),),
 }
+# Phi-3's files hold q/k/v and gate/up fused already, in kvchat's order
+_PHI3_GROUPS = {
+    **_GROUPS,
+    "self_attn.qkv_proj": (("attn_qkv", None),),
+    "mlp.gate_up_proj": (("ffn_up", None),),
+}
 
 
 def quantized_linears(
@@ -47,7 +53,9 @@ def quantized_linears(
     dense: dict[str, torch.Tensor] | None,
 ) -> dict[str, Linear]:
     """HF-named `Linear`s for the 4-bit matrices; `dense` (HF names) gives prefill copies."""
-    permute = gguf.metadata.get("general.architecture") in PERMUTED_ARCHITECTURES
+    arch = gguf.metadata.get("general.architecture")
+    permute = arch in PERMUTED_ARCHITECTURES
+    groups = _PHI3_GROUPS if arch == "phi3" else _GROUPS
     heads = {"q": config.num_heads, "k": config.num_kv_heads}
     hf_parts = {
         "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -55,7 +63,7 @@ def quantized_linears(
     }
     out: dict[str, Linear] = {}
     for i in range(config.num_layers):
-        for target, parts in _GROUPS.items():
+        for target, parts in groups.items():
             infos = [gguf.tensors.get(f"blk.{i}.{name}.weight") for name, _ in parts]
             if any(info is None or info.ggml_type not in FOUR_BIT for info in infos):
                 continue

@@ -24,7 +24,7 @@ from kvchat.model.config import ModelConfig
 from kvchat.model.device import default_device, dtype_name, resolve_dtype
 from kvchat.model.safetensors_folder import read_tensors, weight_files
 from kvchat.model.tokenizer import Tokenizer
-from kvchat.model.transformer import Transformer
+from kvchat.model.transformer import Transformer, split_fused_weights
 from kvchat.model.turn_renderer import TurnRenderer
 from kvchat.paths import app_paths
 
@@ -99,7 +99,7 @@ def load_model(
     # a converted folder holds one weights file per dtype and the prepared 4-bit caches:
     # read only this dtype's weights
     files = [folder / f"model-{dtype_name(torch_dtype)}.safetensors"] if source.is_file() else None
-    tensors: dict = dict(read_tensors(folder, torch_dtype, dev, files=files))
+    tensors = split_fused_weights(config, dict(read_tensors(folder, torch_dtype, dev, files=files)))
     note = dense_weights_note(dev, source.is_file(), weights, quantize)
     if note:
         progress(note)

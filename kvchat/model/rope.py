@@ -3,6 +3,12 @@
 The cos/sin table is built once in float32 (like transformers) and cast to the
 activation dtype; a forward gathers the rows of its positions once and every
 layer reuses them (`decoder_ops.rotate_` applies them).
+
+LongRoPE (Phi-3) has two sets of frequencies, for contexts up to the original length
+and beyond it. transformers switches between them by the length of what it runs, which
+would leave a cache's keys rotated by the other set; kvchat, as llama.cpp, picks one by
+the context it runs (`longrope_set`), so a conversation never mixes them, and names
+the set in the cache's salt.
 """
 
 from __future__ import annotations
@@ -11,17 +17,40 @@ import math
 
 import torch
 
+from kvchat.errors import ModelLoadError
 from kvchat.model.config import ModelConfig
 
 
-def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
+def longrope_set(config: ModelConfig, context: int) -> str | None:
+    """ "short" or "long": LongRoPE's frequencies for a context of `context` tokens;
+    None for the other rotary kinds (one set at every context)."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling.kind != "longrope":
+        return None
+    return "long" if context > scaling.original_max_position_embeddings else "short"
+
+
+def inverse_frequencies(config: ModelConfig, context: int | None = None) -> torch.Tensor:
+    dim = config.rotary_dim
     inv_freq = 1.0 / (
         config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     )
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
+    if scaling.kind == "longrope":
+        chosen = longrope_set(config, context or config.max_position_embeddings)
+        factors = scaling.long_factor if chosen == "long" else scaling.short_factor
+        if len(factors) != inv_freq.numel():
+            raise ModelLoadError(
+                f"The model's LongRoPE factors number {len(factors)}, not {inv_freq.numel()} "
+                "(half the rotary dimensions); its config is damaged. Re-download it."
+            )
+        # transformers: 1 / (factor * theta^(2i/d)), the division done once, in float32
+        return 1.0 / (
+            torch.tensor(factors, dtype=torch.float32)
+            * config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+        )
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
     # "llama3": long wavelengths are slowed by `factor`, short ones kept, the band between
@@ -40,17 +69,28 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryTable:
-    """cos/sin for every position up to the context length, in the activation dtype."""
+    """cos/sin for every position up to the context length, in the activation dtype
+    ([P, D] for the rotary dimensions D, which are all of a head's unless it rotates
+    only part)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, dtype: torch.dtype, device):
-        inv_freq = inverse_frequencies(config)
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        dtype: torch.dtype,
+        device,
+        context: int | None = None,
+    ):
+        inv_freq = inverse_frequencies(config, context or max_positions)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.cos = emb.cos().to(dtype=dtype, device=device)
+        scaling = config.rope_scaling
+        scale = scaling.attention_factor if scaling and scaling.kind == "longrope" else 1.0
+        self.cos = (emb.cos() * scale).to(dtype=dtype, device=device)
         # rotate_half(x) * sin == roll(x, D/2) * [-sin_first_half, sin_second_half]
         half = emb.shape[-1] // 2
-        signed = emb.sin()
+        signed = emb.sin() * scale
         signed[:, :half] = -signed[:, :half]
         self.sin = signed.to(dtype=dtype, device=device)
 

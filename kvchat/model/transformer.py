@@ -21,9 +21,15 @@ from kvchat.errors import ModelLoadError
 from kvchat.model import huge_pages
 from kvchat.model.batch import Attention, ForwardBatch
 from kvchat.model.config import ModelConfig
-from kvchat.model.decoder_ops import add_rms_norm, rms_norm_reference, rotate_, silu_mul
+from kvchat.model.decoder_ops import (
+    add_rms_norm,
+    rms_norm_reference,
+    rotary_reference,
+    rotate_,
+    silu_mul,
+)
 from kvchat.model.linear import DenseLinear, Linear, bounded_kernel_caches
-from kvchat.model.rope import RotaryTable
+from kvchat.model.rope import RotaryTable, longrope_set
 
 
 class Layer:
@@ -66,8 +72,11 @@ class Layer:
         t = qkv.shape[0]
         if self.q_norm is not None:
             self._norm_heads(qkv, t)
-        if self.rotates:
+        if self.rotates and c.rotary_dim == c.head_dim:
             rotate_(qkv, cos, sin, c.num_heads + c.num_kv_heads)  # q and k, in place, in one op
+        elif self.rotates:  # Phi-3: the leading rotary_dim of each head, the rest as it is
+            part = qkv[:, : c.q_size + c.kv_size].view(t, -1, c.head_dim)[..., : c.rotary_dim]
+            part.copy_(rotary_reference(part, cos.unsqueeze(1), sin.unsqueeze(1)))
         q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
@@ -121,6 +130,19 @@ class Transformer:
             self._gather_into_huge_pages()
         self.max_positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryTable(config, self.max_positions, self.dtype, self.device)
+        self.rotary_set = longrope_set(config, self.max_positions)
+
+    def fit_context(self, context: int) -> str | None:
+        """Rotary for a context of `context` tokens: LongRoPE's frequencies depend on it
+        (`rope.longrope_set`); the others do not. Returns the set in use (None for one
+        set), which keys computed with it must be told apart by."""
+        chosen = longrope_set(self.config, context)
+        if chosen != self.rotary_set:
+            self.rotary = RotaryTable(
+                self.config, self.max_positions, self.dtype, self.device, context=context
+            )
+            self.rotary_set = chosen
+        return chosen
 
     def _gather_into_huge_pages(self) -> None:
         """Every linear layer's tensors, copied into one arena of 2 MiB pages: a decode
@@ -197,6 +219,37 @@ def _slots(cls: type) -> list[str]:
 
 def _strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     return {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)}
+
+
+FILE_FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def split_fused_weights(config: ModelConfig, weights: dict) -> dict:
+    """Phi-3's files hold q/k/v and gate/up as one matrix each: split into the names
+    every other family uses (views, no copy), so quantizing, loading and fusing again
+    have one path."""
+    sizes = {
+        "self_attn.qkv_proj.weight": (config.q_size, config.kv_size, config.kv_size),
+        "mlp.gate_up_proj.weight": (config.intermediate_size,) * 2,
+    }
+    out = dict(weights)
+    for name, tensor in weights.items():
+        local = name.rpartition("layers.")[2].partition(".")[2]
+        if local not in FILE_FUSED or not isinstance(tensor, torch.Tensor):
+            continue
+        if tensor.shape[0] != sum(sizes[local]):
+            raise ModelLoadError(
+                f"{name} has {tensor.shape[0]} rows where the config makes "
+                f"{sum(sizes[local])}; the model's files disagree with its config."
+            )
+        prefix = name[: -len(local)]
+        for part, piece in zip(FILE_FUSED[local], tensor.split(sizes[local]), strict=True):
+            out[f"{prefix}{part}.weight"] = piece
+        del out[name]
+    return out
 
 
 def _missing_weights(config: ModelConfig, weights: dict) -> list[str]:
