@@ -24,7 +24,7 @@ def hf_logits(folder, ids: torch.Tensor, dtype: torch.dtype, **kw) -> torch.Tens
         return model(ids[None]).logits[0].float()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "llama3", "qwen3", "smollm3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "llama3", "qwen3", "qwen3_moe", "smollm3"])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("small_ops", ["kvchat kernels", "torch"])
 def test_tiny_model_logits_match_transformers_fp32(tmp_path, monkeypatch, family, paged, small_ops):
@@ -44,7 +44,7 @@ def test_tiny_model_logits_match_transformers_fp32(tmp_path, monkeypatch, family
     assert rel_err(kvchat_logits(model, ids.tolist(), paged=paged), reference) < 1e-4
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "smollm3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "smollm3"])
 def test_tiny_model_bf16_error_within_transformers_own(tmp_path, family):
     from tests.tiny_models import write_tiny_model
 
@@ -113,7 +113,7 @@ def test_default_model_bf16_error_within_transformers_own(default_gguf_path, hf_
     assert ours <= 1.5 * theirs, (ours, theirs)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "smollm3"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "smollm3"])
 def test_tiny_model_greedy_text_through_the_engine_equals_transformers_fp32(tmp_path, family):
     """The engine's paged, batched path (prefill chunks, then decodes) generates what
     transformers' `generate` does, token for token, in float32."""

@@ -38,6 +38,11 @@ PHI3_ROPE = dict(
 )
 
 
+def overrides_of(names: tuple[str, ...], shapes: dict) -> dict:
+    """The family options among a caller's overrides (taken out of `shapes`)."""
+    return {name: shapes.pop(name) for name in names if name in shapes}
+
+
 def write_tiny_model(
     folder: Path,
     family: str = "llama",
@@ -48,7 +53,7 @@ def write_tiny_model(
     **overrides,
 ) -> Path:
     """Write a tiny random model of `family` ("llama", "llama3", "phi3", "qwen2", "qwen3",
-    "smollm3") into `folder`."""
+    "qwen3_moe", "smollm3") into `folder`."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -58,6 +63,8 @@ def write_tiny_model(
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
         SmolLM3Config,
         SmolLM3ForCausalLM,
     )
@@ -81,6 +88,24 @@ def write_tiny_model(
     elif family == "phi3":
         config = Phi3Config(**shapes, **PHI3_ROPE, tie_word_embeddings=True, pad_token_id=None)
         model = Phi3ForCausalLM(config)
+    elif family == "qwen3_moe":
+        # Qwen3-30B-A3B's routing scaled down: 8 of 128 experts there, 2 of 8 here,
+        # renormalized; a dense layer first (mlp_only_layers) as such configs allow
+        routing = {
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+            **overrides_of(("norm_topk_prob", "mlp_only_layers"), shapes),
+        }
+        config = Qwen3MoeConfig(
+            **{"head_dim": 32, **shapes, "num_hidden_layers": 3},
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            tie_word_embeddings=False,
+            rope_theta=1_000_000.0,
+            **routing,
+        )
+        model = Qwen3MoeForCausalLM(config)
     elif family == "qwen2":
         config = Qwen2Config(**shapes, tie_word_embeddings=True, rope_theta=1_000_000.0)
         model = Qwen2ForCausalLM(config)

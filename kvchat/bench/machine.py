@@ -96,7 +96,7 @@ def weight_bytes_per_token(transformer) -> int:
     return sum(_nbytes(p) for p in parts)
 
 
-LAYER_WEIGHTS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down")
+LAYER_WEIGHTS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down", "experts")
 
 
 def _nbytes(weight: object) -> int:

@@ -5,7 +5,8 @@ One dataclass for the Llama family and the families that add a step to it: Llama
 tied embeddings); Qwen3 adds a per-head RMSNorm of q and k before rotary (`qk_norm`);
 SmolLM3 leaves rotary out of every fourth layer (`rope_layers`); Phi-3 / Phi-4-mini fuse
 q/k/v and gate/up in their files (split on load, `fused_weights`), rotate only part of
-each head (`partial_rotary_factor`) and scale rotary by LongRoPE's per-frequency factors.
+each head (`partial_rotary_factor`) and scale rotary by LongRoPE's per-frequency factors;
+Qwen3-MoE replaces the feed-forward of its sparse layers by experts (`num_experts`).
 Anything else is refused here, with a message, before any weight is read.
 """
 
@@ -19,10 +20,10 @@ from typing import Any
 
 from kvchat.errors import ModelLoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "smollm3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3")
 SUPPORTED_FAMILIES = (
-    "Llama 2/3.x, Mistral, Phi-3 / Phi-4-mini, Qwen2/2.5, Qwen3 (dense), SmolLM2, SmolLM3, "
-    "TinyLlama"
+    "Llama 2/3.x, Mistral, Phi-3 / Phi-4-mini, Qwen2/2.5, Qwen3 (dense and MoE), SmolLM2, "
+    "SmolLM3, TinyLlama"
 )
 
 
@@ -62,6 +63,14 @@ class ModelConfig:
     # SmolLM3: which layers rotate q and k (the others attend without positions); None: all
     rope_layers: tuple[bool, ...] | None = None
     partial_rotary_factor: float = 1.0  # Phi-3: the share of each head that rotates
+    # Qwen3-MoE: experts, how many a token uses, their width, whether the chosen weights
+    # are renormalized to sum to 1, and which layers are sparse (`layer_is_sparse`)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -77,6 +86,14 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """The leading dimensions of each q/k head that rotate (transformers' rounding)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_is_sparse(self, index: int) -> bool:
+        """Whether layer `index` feeds forward through experts (transformers' rule)."""
+        return (
+            self.num_experts > 0
+            and index not in self.mlp_only_layers
+            and (index + 1) % self.decoder_sparse_step == 0
+        )
 
     def layer_uses_rope(self, index: int) -> bool:
         return self.rope_layers is None or self.rope_layers[index]
@@ -134,9 +151,10 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
                 rope_scaling=_rope_scaling(scaling, max_positions, original),
-                qk_norm=model_type == "qwen3",
+                qk_norm=model_type in ("qwen3", "qwen3_moe"),
                 rope_layers=_rope_layers(raw, model_type),
                 partial_rotary_factor=float(partial),
+                **_experts(raw, model_type),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
@@ -157,6 +175,27 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError) as exc:
             raise ModelLoadError(f"{path} cannot be read as JSON ({exc}).") from exc
         return cls.from_dict(raw)
+
+
+def _experts(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields; none for the dense families."""
+    if model_type != "qwen3_moe":
+        return {}
+    experts = {
+        # Qwen's checkpoints say num_experts; transformers 5 writes num_local_experts
+        "num_experts": int(raw.get("num_experts") or raw["num_local_experts"]),
+        "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+        "moe_intermediate_size": int(raw["moe_intermediate_size"]),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+        "decoder_sparse_step": int(raw.get("decoder_sparse_step") or 1),
+        "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
+    }
+    if not 0 < experts["num_experts_per_tok"] <= experts["num_experts"]:
+        raise ModelLoadError(
+            f"config.json asks for {experts['num_experts_per_tok']} of "
+            f"{experts['num_experts']} experts a token; the model folder looks damaged."
+        )
+    return experts
 
 
 def _rope_layers(raw: dict[str, Any], model_type: str) -> tuple[bool, ...] | None:

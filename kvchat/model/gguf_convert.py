@@ -29,7 +29,7 @@ from kvchat.errors import ModelLoadError
 from kvchat.model.gguf_dequant import dequantize
 from kvchat.model.gguf_file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "phi3", "qwen2", "qwen3", "smollm3")
+SUPPORTED_ARCHITECTURES = ("llama", "phi3", "qwen2", "qwen3", "qwen3moe", "smollm3")
 # the architectures whose q/k rows llama.cpp's converter permutes (`llama_cpp_permute`)
 PERMUTED_ARCHITECTURES = ("llama", "smollm3")
 # llama.cpp runs SmolLM3 with rotary left out of every fourth layer; the file does not say
@@ -41,6 +41,7 @@ _HF_ARCH = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 # GGUF tensor name -> Hugging Face name; {i} is the layer index.
@@ -64,6 +65,13 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # qwen3moe's router
+}
+# Qwen3-MoE's experts, one 3-d tensor [experts, rows, columns] each: a tensor per expert
+_EXPERT_NAMES = {
+    "ffn_gate_exps.weight": "gate_proj",
+    "ffn_up_exps.weight": "up_proj",
+    "ffn_down_exps.weight": "down_proj",
 }
 # Phi-3 keeps Hugging Face's fused q/k/v and gate/up matrices (gate first, as there)
 _ARCH_LAYER_NAMES = {
@@ -83,8 +91,8 @@ def check_architecture(metadata: dict[str, object]) -> str:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported architecture {arch}; kvchat runs GGUFs of the llama (Llama, "
-            "Mistral, SmolLM2), phi3 (Phi-3, Phi-4-mini), qwen2, qwen3 and smollm3 "
-            "architectures. Choose a GGUF of one of those."
+            "Mistral, SmolLM2), phi3 (Phi-3, Phi-4-mini), qwen2, qwen3, qwen3moe and "
+            "smollm3 architectures. Choose a GGUF of one of those."
         )
     return str(arch)
 
@@ -151,6 +159,8 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, object]:
     }
     if arch == "smollm3":
         config["no_rope_layer_interval"] = SMOLLM3_NO_ROPE_INTERVAL
+    if arch == "qwen3moe":
+        config.update(_experts(gguf, arch, int(config["num_hidden_layers"])))  # type: ignore[call-overload]
     rope_dims = md.get(f"{arch}.rope.dimension_count")
     if arch == "phi3" and rope_dims is not None and int(rope_dims) != head_dim:  # type: ignore[call-overload]
         config["partial_rotary_factor"] = int(rope_dims) / head_dim  # type: ignore[call-overload]
@@ -166,6 +176,24 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, object]:
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     return config
+
+
+def _experts(gguf: GGUFFile, arch: str, layers: int) -> dict[str, object]:
+    """Qwen3-MoE's expert fields. llama.cpp always renormalizes the chosen experts'
+    weights for this architecture (the file has no key for it), and which layers are
+    dense shows in the tensors: those without a router."""
+    md = gguf.metadata
+    return {
+        "num_experts": int(_required(md, f"{arch}.expert_count")),  # type: ignore[call-overload]
+        "num_experts_per_tok": int(_required(md, f"{arch}.expert_used_count")),  # type: ignore[call-overload]
+        "moe_intermediate_size": int(
+            _required(md, f"{arch}.expert_feed_forward_length")  # type: ignore[call-overload]
+        ),
+        "norm_topk_prob": bool(md.get(f"{arch}.expert_weights_norm", True)),
+        "mlp_only_layers": [
+            i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors
+        ],
+    }
 
 
 def _rope_scaling(
@@ -271,12 +299,16 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.match(gguf_name)
+    if match and match.group(2) in _EXPERT_NAMES:  # one per expert: `expert_tensors`
+        return (
+            f"model.layers.{match.group(1)}.mlp.experts.{{}}.{_EXPERT_NAMES[match.group(2)]}.weight"
+        )
     names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
     if match and match.group(2) in names:
         return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     raise ModelLoadError(
         f"the GGUF holds a tensor {gguf_name!r} that kvchat's Llama-family model has no place "
-        "for; the file is not a plain llama, phi3, qwen2, qwen3 or smollm3 model."
+        "for; the file is not a plain llama, phi3, qwen2, qwen3, qwen3moe or smollm3 model."
     )
 
 
@@ -319,4 +351,8 @@ def gguf_state_dict(gguf: GGUFFile, dtype: torch.dtype) -> Iterator[tuple[str, t
                 weight = undo_llama_cpp_permute(weight, n_heads)
             elif ".attn_k." in name:
                 weight = undo_llama_cpp_permute(weight, n_kv_heads)
+        if "{}" in hf_name:  # experts stacked in one tensor: one each, as HF names them
+            for expert, part in enumerate(weight):
+                yield hf_name.format(expert), part.to(dtype, copy=True)  # not views of one
+            continue
         yield hf_name, weight.to(dtype)

@@ -1,5 +1,5 @@
-"""The Llama-family forward pass in plain torch (and Qwen3's q/k norms and SmolLM3's
-layers without rotary, `Layer`).
+"""The Llama-family forward pass in plain torch (and Qwen3's q/k norms, SmolLM3's
+layers without rotary, Phi-3's partial rotary and Qwen3-MoE's experts, `Layer`).
 
 Written to be checked against the paper and transformers' LlamaModel line by line;
 the differences are for speed only: q/k/v and gate/up are fused into one matmul
@@ -30,6 +30,7 @@ from kvchat.model.decoder_ops import (
 )
 from kvchat.model.linear import DenseLinear, Linear, bounded_kernel_caches
 from kvchat.model.rope import RotaryTable, longrope_set
+from kvchat.model.sparse_moe import SparseMoE
 
 
 class Layer:
@@ -50,10 +51,17 @@ class Layer:
             [weights[f"self_attn.{p}_proj.bias"] for p in qkv] if config.attention_bias else None,
         )  # [(Hq + 2 Hkv) D, hidden]
         self.o: Linear = make_linear([weights["self_attn.o_proj.weight"]])
-        self.gate_up: Linear = weights.get("mlp.gate_up_proj") or make_linear(
-            [weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]]
-        )  # [2 I, hidden]
-        self.down: Linear = make_linear([weights["mlp.down_proj.weight"]])
+        # Qwen3-MoE's sparse layers: experts in place of the one MLP
+        self.experts = (
+            SparseMoE.from_weights(weights, config) if config.layer_is_sparse(index) else None
+        )
+        self.gate_up: Linear | None = None
+        self.down: Linear | None = None
+        if self.experts is None:
+            self.gate_up = weights.get("mlp.gate_up_proj") or make_linear(
+                [weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]]
+            )  # [2 I, hidden]
+            self.down = make_linear([weights["mlp.down_proj.weight"]])
 
     def forward(
         self,
@@ -82,7 +90,9 @@ class Layer:
         v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
         attn = attention(index, q, k, v)  # [T, Hq, D]
         h, x = add_rms_norm(h, self.o(attn.reshape(t, c.q_size)), self.post_norm, c.rms_norm_eps)
-        return h, self.down(silu_mul(self.gate_up(x)))
+        if self.experts is not None:
+            return h, self.experts(x)
+        return h, self.down(silu_mul(self.gate_up(x)))  # type: ignore[misc]
 
     def _norm_heads(self, qkv: torch.Tensor, t: int) -> None:
         """Qwen3's q_norm and k_norm, in place in the fused projection's rows: transformers'
@@ -167,6 +177,8 @@ class Transformer:
         tensors = [self.embed, self.norm, *self.rotary_tensors()]
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+            if layer.experts is not None:
+                tensors += layer.experts.tensors()
         for linear in self._linears():
             for name in _slots(type(linear)):
                 t = getattr(linear, name, None)
@@ -187,7 +199,7 @@ class Transformer:
 
     def _linears(self) -> list[Linear]:
         layers = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers]
-        return [self.lm_head, *(linear for group in layers for linear in group)]
+        return [self.lm_head, *(linear for group in layers for linear in group if linear)]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attention: Attention) -> torch.Tensor:
@@ -256,21 +268,28 @@ def _missing_weights(config: ModelConfig, weights: dict) -> list[str]:
     names: list[str] = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config.tie_word_embeddings:
         names.append("lm_head.weight")
-    per_layer: Iterable[str] = (
+    attention: Iterable[str] = (
         "input_layernorm.weight",
         "post_attention_layernorm.weight",
         "self_attn.q_proj.weight",
         "self_attn.k_proj.weight",
         "self_attn.v_proj.weight",
         "self_attn.o_proj.weight",
-        "mlp.gate_proj.weight",
-        "mlp.up_proj.weight",
-        "mlp.down_proj.weight",
     )
     if config.qk_norm:
-        per_layer = (*per_layer, "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+        attention = (*attention, "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+    dense = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+    experts = (
+        "mlp.gate.weight",
+        *(
+            f"mlp.experts.{e}.{p}.weight"
+            for e in range(config.num_experts)
+            for p in ("gate_proj", "up_proj", "down_proj")
+        ),
+    )
     for i in range(config.num_layers):
-        names.extend(f"model.layers.{i}.{n}" for n in per_layer)
+        feed_forward = experts if config.layer_is_sparse(i) else dense
+        names.extend(f"model.layers.{i}.{n}" for n in (*attention, *feed_forward))
     fused = {
         "self_attn.q_proj.weight": "self_attn.qkv_proj",
         "self_attn.k_proj.weight": "self_attn.qkv_proj",
