@@ -155,7 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("action", nargs="?", choices=["clear"], help="clear: empty the disk tier")
     for tier in ("device", "host", "disk"):
         cache.add_argument(f"--{tier}-cache", metavar="SIZE", help="as for `kvchat chat`")
-    sub.add_parser("models", help="list the models kvchat knows locally")
+    sub.add_parser(
+        "models",
+        help="list the models on this machine (Hugging Face cache, Ollama, LM Studio, "
+        "model_dirs) and whether kvchat runs each",
+    )
     sub.add_parser("paths", help="print where kvchat keeps its files")
     return parser
 
@@ -183,7 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_ask(args)
         if command == "models":
-            return _models()
+            from kvchat.models_command import run_models
+
+            return run_models()
         if command == "cache":
             from kvchat.cache_command import run_cache
 
@@ -259,15 +265,6 @@ def _unexpected(exc: BaseException) -> int:
         file=sys.stderr,
     )
     return 1
-
-
-def _models() -> int:
-    from kvchat.model.registry import known_models
-
-    for m in known_models():
-        state = "" if m.available else "  (not fetched yet: it is fetched on first use)"
-        print(f"{m.name:40} {m.kind:9} {m.path}{state}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ class RuntimeOptions:
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
     disk_cache: int | None = None  # None: the default size (`disk_cache_bytes`)
     context_size: int | None = None  # None: the model's context
+    model_dirs: tuple[str, ...] = ()  # the settings' folders a model name is looked up in
 
 
 def read_settings(warn: Callable[[str], None] | None = None) -> Settings:
@@ -141,6 +142,7 @@ def resolve_options(args: argparse.Namespace, settings: Settings) -> RuntimeOpti
         sources=sources,
         disk_cache=disk_cache,
         context_size=pick("context_size"),
+        model_dirs=settings.model_dirs,
     )
 
 
@@ -202,8 +204,10 @@ def start_engine(options: RuntimeOptions, progress: Callable[[str], None]):
     ram_before_load = available_memory(torch.device("cpu"))
 
     def load():
+        from kvchat.model.registry import resolve_model
+
         model = load_model(
-            options.model,
+            str(resolve_model(options.model, progress, model_dirs=options.model_dirs)),
             dtype=options.dtype,
             device=options.device,
             weights=options.weights,

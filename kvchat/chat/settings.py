@@ -48,6 +48,7 @@ class Settings:
     api_key_env: str | None = None  # the environment variable holding the server's API key
     session_header: str | None = None  # the header carrying the session id (routing)
     attention: str | None = None  # "native" | "flex" | "sdpa"; unset: the device's default
+    model_dirs: tuple[str, ...] = ()  # folders of GGUFs / model folders `kvchat models` lists
     keys: MappingProxyType[str, str] = field(default_factory=lambda: MappingProxyType({}))
     # key -> "FILE, line N": where each value was written, for messages about it
     sources: MappingProxyType[str, str] = field(
@@ -117,6 +118,10 @@ def _check(path: Path, text: str, key: str, value: Any) -> Any:
         if size == 0 and key not in _ZERO_IS_OFF:
             raise bad(f'a size with a unit, like "512MiB" or "4GiB"{off}')
         return size
+    if key == "model_dirs":
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise bad('a list of folder paths, like ["~/models"]')
+        return tuple(value)
     if key == "page_size":
         if not is_page_size(value):
             raise bad(f"a power of two from {MIN_PAGE_SIZE} up, like 256")
