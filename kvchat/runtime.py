@@ -12,6 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvchat.chat.engine_port import ChatBackend
@@ -204,10 +205,15 @@ def start_engine(options: RuntimeOptions, progress: Callable[[str], None]):
     ram_before_load = available_memory(torch.device("cpu"))
 
     def load():
-        from kvchat.model.registry import resolve_model
+        from kvchat.model.registry import DEFAULT_ALIASES, resolve_model
 
+        path = resolve_model(options.model, progress, model_dirs=options.model_dirs)
+        asked = options.model
+        # a model asked by name (`llama3.2:1b`) is shown by it, not by its file's name
+        by_name = asked is not None and not Path(asked).expanduser().exists()
         model = load_model(
-            str(resolve_model(options.model, progress, model_dirs=options.model_dirs)),
+            str(path),
+            name=asked if by_name and asked.lower() not in DEFAULT_ALIASES else None,
             dtype=options.dtype,
             device=options.device,
             weights=options.weights,

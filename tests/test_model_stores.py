@@ -187,3 +187,4 @@ def test_a_model_named_from_ollamas_store_runs_without_writing_there(stores, tmp
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert sorted((p, p.stat().st_mtime_ns) for p in ollama.rglob("*")) == before
+    assert "Loading tiny:2m (float32" in done.stderr  # by its name, not its blob's

@@ -71,12 +71,15 @@ def load_model(
     weights: str = "native",
     quantize: str | None = None,
     progress: Progress = lambda _msg: None,
+    name: str | None = None,
 ) -> LoadedModel:
     """Load a model from any source.
 
     `weights="native"` keeps a GGUF's 4-bit matrices 4-bit on the CPU (the fast decode
     path); "bf16"/"dense" dequantizes everything to the compute dtype. `quantize`
-    ("int8"/"int4") quantizes a Hugging Face folder's matrices at load.
+    ("int8"/"int4") quantizes a Hugging Face folder's matrices at load. `name` is what
+    the model is called where it is shown (the name it was asked by, where the file's
+    own is a store's blob name); the file's or folder's name otherwise.
     """
     from kvchat.model.registry import resolve_model  # registry imports the default-model fetcher
 
@@ -88,14 +91,14 @@ def load_model(
     dev = torch.device(device) if device else default_device()
     torch_dtype = resolve_dtype(dtype, dev)
     if source.is_file():
-        folder = convert_gguf(source, torch_dtype, progress)
+        folder = convert_gguf(source, torch_dtype, progress, label=name)
         fingerprint = folder.name
     else:
         folder = source
         fingerprint = folder_fingerprint(folder)
     config = ModelConfig.from_file(folder / "config.json")
     tokenizer = Tokenizer.from_folder(folder)
-    progress(f"Loading {source.name} ({dtype_name(torch_dtype)} on {dev.type})...")
+    progress(f"Loading {name or source.name} ({dtype_name(torch_dtype)} on {dev.type})...")
     # a converted folder holds one weights file per dtype and the prepared 4-bit caches:
     # read only this dtype's weights
     files = [folder / f"model-{dtype_name(torch_dtype)}.safetensors"] if source.is_file() else None
@@ -118,7 +121,7 @@ def load_model(
         eos_token=tokenizer.eos_token,
     )
     return LoadedModel(
-        name=source.stem if source.is_file() else source.name,
+        name=name or (source.stem if source.is_file() else source.name),
         source=source,
         folder=folder,
         config=config,
@@ -211,7 +214,9 @@ def folder_fingerprint(folder: Path) -> str:
     return "hf-" + digest.hexdigest()[:24]
 
 
-def convert_gguf(path: Path, dtype: torch.dtype, progress: Progress) -> Path:
+def convert_gguf(
+    path: Path, dtype: torch.dtype, progress: Progress, label: str | None = None
+) -> Path:
     """The cached Hugging Face style folder for a GGUF file, converting it on first use."""
     from kvchat.model.gguf_convert import gguf_state_dict, gguf_to_hf_config
     from kvchat.model.gguf_file import GGUFFile
@@ -224,7 +229,7 @@ def convert_gguf(path: Path, dtype: torch.dtype, progress: Progress) -> Path:
     weights_file = folder / f"model-{dtype_name(dtype)}.safetensors"
     if weights_file.exists() and (folder / "config.json").exists():
         return folder
-    progress(f"Converting {path.name} for kvchat ({dtype_name(dtype)}), once...")
+    progress(f"Converting {label or path.name} for kvchat ({dtype_name(dtype)}), once...")
     gguf = GGUFFile.open(path)
     config = gguf_to_hf_config(gguf)
     ModelConfig.from_dict(config)  # refuse unsupported architectures before the heavy work
