@@ -160,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="list the models on this machine (Hugging Face cache, Ollama, LM Studio, "
         "model_dirs) and whether kvchat runs each",
     )
+    pull = sub.add_parser(
+        "pull",
+        help="fetch a model from the Hugging Face hub (HF_TOKEN, HF_ENDPOINT honoured)",
+    )
+    pull.add_argument("name", help="ORG/NAME, or ORG/NAME:QUANT for one file of a GGUF repository")
     sub.add_parser("paths", help="print where kvchat keeps its files")
     return parser
 
@@ -190,6 +195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from kvchat.models_command import run_models
 
             return run_models()
+        if command == "pull":
+            from kvchat.model.pull import pull
+
+            pulled = pull(args.name, progress=lambda m: print(m, file=sys.stderr))
+            print(f"{pulled.path}\nRun it with: kvchat --model {pulled.name}")
+            return 0
         if command == "cache":
             from kvchat.cache_command import run_cache
 
