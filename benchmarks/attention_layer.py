@@ -19,7 +19,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from kvchat.engine import native_attention
+from kvchat.engine.attention import native_attention
 from kvchat.native import build
 
 HQ, HKV, D, PAGE = 9, 3, 64, 256

@@ -164,7 +164,7 @@ class Setup:
         self.head_dim = self.shape["hidden_size"] // self.shape["num_attention_heads"]
 
     def cache_bytes(self, model, pages: int | None = None) -> int:
-        from kvchat.engine.kv_store import kv_bytes_per_token
+        from kvchat.engine.tiers.kv_store import kv_bytes_per_token
 
         c = model.config
         per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype)
@@ -189,8 +189,8 @@ def check_environment(setup: Setup):
 
 
 def check_ops(setup: Setup):
-    from kvchat.engine.flex_attention import FlexPagedAttention
-    from kvchat.engine.paged_attention import PagedAttention
+    from kvchat.engine.attention.flex_attention import FlexPagedAttention
+    from kvchat.engine.attention.paged_attention import PagedAttention
     from kvchat.model.batch import ForwardBatch
 
     S, P = setup.page, setup.pages
@@ -232,8 +232,8 @@ def check_ops(setup: Setup):
 
 
 def check_logits(setup: Setup, folder: Path):
-    from kvchat.engine.attention_choice import make_attention
-    from kvchat.engine.kv_store import DeviceKVStore
+    from kvchat.engine.attention.attention_choice import make_attention
+    from kvchat.engine.tiers.kv_store import DeviceKVStore
     from kvchat.model.batch import ForwardBatch
     from kvchat.model.loader import load_model
 
@@ -411,10 +411,10 @@ def check_compiles(setup: Setup, folder: Path):
 
 
 def check_bench(setup: Setup, root: Path):
-    from kvchat.engine.attention_choice import make_attention
+    from kvchat.engine.attention.attention_choice import make_attention
     from kvchat.engine.config import EngineConfig
     from kvchat.engine.engine import Engine
-    from kvchat.engine.kv_store import DeviceKVStore
+    from kvchat.engine.tiers.kv_store import DeviceKVStore
     from kvchat.model.batch import ForwardBatch
     from kvchat.model.loader import load_model
 

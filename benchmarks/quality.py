@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvchat.engine.kv_store import DeviceKVStore
-from kvchat.engine.paged_attention import PagedAttention
+from kvchat.engine.attention.paged_attention import PagedAttention
+from kvchat.engine.tiers.kv_store import DeviceKVStore
 from kvchat.model.batch import ForwardBatch
 from kvchat.model.loader import load_model
 from kvchat.native import build

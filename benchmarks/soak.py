@@ -41,8 +41,8 @@ from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
 from kvchat.engine.config import EngineConfig
 from kvchat.engine.engine import Engine
-from kvchat.engine.kv_store import fault_in
 from kvchat.engine.request import SamplingParams
+from kvchat.engine.tiers.kv_store import fault_in
 from kvchat.model.loader import load_model
 from kvchat.units import parse_size
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvchat.engine.disk_tier import clear_folder, folder_usage
+from kvchat.engine.tiers.disk_tier import clear_folder, folder_usage
 from kvchat.paths import app_paths
 from kvchat.runtime import disk_cache_bytes, read_settings, resolve_options
 from kvchat.units import format_size

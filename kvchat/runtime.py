@@ -150,7 +150,7 @@ def resolve_options(args: argparse.Namespace, settings: Settings) -> RuntimeOpti
 def _check_disk_room(size: int, source: str) -> None:
     """Refuse a disk tier its disk cannot hold (its own page files count as room: the tier
     replaces them), before anything loads: accepted, it would fail writes for good later."""
-    from kvchat.engine.disk_tier import free_disk_bytes
+    from kvchat.engine.tiers.disk_tier import free_disk_bytes
     from kvchat.paths import app_paths
     from kvchat.units import format_size
 
@@ -171,7 +171,7 @@ def _check_disk_room(size: int, source: str) -> None:
 
 def disk_cache_bytes(options: RuntimeOptions) -> int:
     """The disk tier's size: as set, else 8 GiB or a tenth of the free disk, the smaller."""
-    from kvchat.engine.disk_tier import default_disk_cache_bytes
+    from kvchat.engine.tiers.disk_tier import default_disk_cache_bytes
     from kvchat.paths import app_paths
 
     if options.disk_cache is not None:
@@ -223,7 +223,7 @@ def start_engine(options: RuntimeOptions, progress: Callable[[str], None]):
         check_cache_budget(model, options, ram_before_load)  # before the cache is allocated
         return model
 
-    from kvchat.engine.attention_choice import resolve_attention
+    from kvchat.engine.attention.attention_choice import resolve_attention
     from kvchat.model.device import parse_device
 
     # refused before the model loads: a choice this device or KV format cannot run
@@ -232,7 +232,7 @@ def start_engine(options: RuntimeOptions, progress: Callable[[str], None]):
     if device.type == "cpu":  # attention and 4-bit matmul kernels: built once, in the background
         native_build.request()
     if attention == "flex":
-        from kvchat.engine.flex_attention import configure_compile_cache
+        from kvchat.engine.attention.flex_attention import configure_compile_cache
         from kvchat.paths import app_paths
 
         configure_compile_cache(app_paths().cache_dir / "compiled")
@@ -384,7 +384,7 @@ def small_cache_notice(engine) -> str | None:
 def describe_cache(engine) -> str:
     """One line a user can read at start: where the KV cache lives, how big it is, and
     which attention reads it."""
-    from kvchat.engine.attention_choice import describe_attention
+    from kvchat.engine.attention.attention_choice import describe_attention
 
     s = engine.stats()
     ps = s.page_size

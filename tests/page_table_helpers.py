@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvchat.engine.host_tier import HostTier
-from kvchat.engine.page_hash import root_salt
-from kvchat.engine.page_table import PageTable, Reservation
+from kvchat.engine.cache.page_hash import root_salt
+from kvchat.engine.cache.page_table import PageTable, Reservation
+from kvchat.engine.tiers.host_tier import HostTier
 
 PS = 4
 

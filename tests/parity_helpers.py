@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvchat.engine.paged_attention import PagedAttention
+from kvchat.engine.attention.paged_attention import PagedAttention
 from kvchat.model.batch import ForwardBatch, NoCacheAttention
 
 

@@ -9,7 +9,7 @@ import torch
 from kvchat.cache_budget import CacheRequest, check_cpu_budget, check_gpu_budget
 from kvchat.cli import main
 from kvchat.engine.idle_housekeeping import TOUCH_RESERVE_BYTES, IdleHousekeeping
-from kvchat.engine.kv_store import DeviceKVStore
+from kvchat.engine.tiers.kv_store import DeviceKVStore
 from kvchat.errors import UsageError
 from kvchat.paths import app_paths
 

@@ -9,9 +9,9 @@ import torch
 
 from kvchat.chat.settings import parse_settings
 from kvchat.cli import main
-from kvchat.engine.disk_page import DiskPageFormat
-from kvchat.engine.disk_tier import DiskTier
-from kvchat.engine.page_hash import page_hash, root_salt
+from kvchat.engine.cache.page_hash import page_hash, root_salt
+from kvchat.engine.tiers.disk_page import DiskPageFormat
+from kvchat.engine.tiers.disk_tier import DiskTier
 from kvchat.paths import app_paths
 from kvchat.runtime import disk_cache_bytes, engine_config, resolve_options
 

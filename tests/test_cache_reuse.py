@@ -10,12 +10,12 @@ import torch
 
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
-from kvchat.engine.host_tier import HostTier
-from kvchat.engine.kv_store import DeviceKVStore, HostKVStore, KVPageMover
-from kvchat.engine.page_hash import root_salt
-from kvchat.engine.page_table import PageTable
-from kvchat.engine.paged_attention import PagedAttention
+from kvchat.engine.attention.paged_attention import PagedAttention
+from kvchat.engine.cache.page_hash import root_salt
+from kvchat.engine.cache.page_table import PageTable
 from kvchat.engine.request import GenerationRequest
+from kvchat.engine.tiers.host_tier import HostTier
+from kvchat.engine.tiers.kv_store import DeviceKVStore, HostKVStore, KVPageMover
 from kvchat.model.batch import ForwardBatch, NoCacheAttention
 from kvchat.model.loader import load_model
 from tests.engine_helpers import Collector, small_engine

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from kvchat.engine import config as engine_config
-from kvchat.engine.attention_choice import resolve_attention
-from kvchat.engine.copy_stream import CopyStream
+from kvchat.engine.attention.attention_choice import resolve_attention
+from kvchat.engine.tiers.copy_stream import CopyStream
 from kvchat.model.linear import pack_weight
 from kvchat.model.loader import dense_weights_note
 
@@ -99,7 +99,7 @@ def test_host_tier_copies_run_on_a_side_stream_the_compute_waits_for_once() -> N
 def test_nothing_cpu_only_is_reached_off_the_cpu(monkeypatch) -> None:
     """A store and a weight on another device ("meta" stands in for CUDA): no huge pages,
     no oneDNN packing, no CPU kernel."""
-    from kvchat.engine.kv_store import DeviceKVStore
+    from kvchat.engine.tiers.kv_store import DeviceKVStore
     from kvchat.model import huge_pages
 
     def refuse(*args, **kwargs):

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvchat.engine.disk_page import DiskPageFormat
-from kvchat.engine.disk_tier import DiskTier
+from kvchat.engine.cache.page_hash import page_hash, root_salt
+from kvchat.engine.cache.page_table import PageTable
 from kvchat.engine.engine import Engine
-from kvchat.engine.kv_store import DeviceKVStore, KVPageMover
-from kvchat.engine.page_hash import page_hash, root_salt
-from kvchat.engine.page_table import PageTable
 from kvchat.engine.request import GenerationRequest
+from kvchat.engine.tiers.disk_page import DiskPageFormat
+from kvchat.engine.tiers.disk_tier import DiskTier
+from kvchat.engine.tiers.kv_store import DeviceKVStore, KVPageMover
 from kvchat.model.loader import load_model
 from tests.engine_helpers import Collector, small_engine
 

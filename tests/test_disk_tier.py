@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvchat.engine import disk_page
-from kvchat.engine.disk_index import DiskEntry, DiskIndex
-from kvchat.engine.disk_page import DiskPageFormat, page_path, read_page
-from kvchat.engine.disk_tier import DiskTier, clear_folder, folder_usage
-from kvchat.engine.disk_writer import BackgroundWriter
-from kvchat.engine.page_hash import page_hash, root_salt
+from kvchat.engine.cache.page_hash import page_hash, root_salt
+from kvchat.engine.tiers import disk_page
+from kvchat.engine.tiers.disk_index import DiskEntry, DiskIndex
+from kvchat.engine.tiers.disk_page import DiskPageFormat, page_path, read_page
+from kvchat.engine.tiers.disk_tier import DiskTier, clear_folder, folder_usage
+from kvchat.engine.tiers.disk_writer import BackgroundWriter
 
 L, S, H, D = 3, 4, 2, 8
 SALT = root_salt("disk-test-model", "bfloat16", "native")
@@ -140,7 +140,7 @@ def _garbage_header(path: Path) -> None:
 def test_a_damaged_file_is_removed_logged_and_never_served(tmp_path, damage, caplog) -> None:
     tier, h, path = _fault(tmp_path, damage)
     assert h in tier  # indexed from its name: the tensors are only read on load
-    with caplog.at_level(logging.WARNING, logger="kvchat.engine.disk_tier"):
+    with caplog.at_level(logging.WARNING, logger="kvchat.engine.tiers.disk_tier"):
         assert tier.load(h) is None
     assert not path.exists()
     assert h not in tier
@@ -159,7 +159,7 @@ def test_a_page_of_another_model_at_this_name_is_refused(tmp_path: Path, caplog)
         path, disk_page.encode_page(other, h, parent, tokens, random_parts(other, 0))
     )
     tier = make_tier(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="kvchat.engine.disk_tier"):
+    with caplog.at_level(logging.WARNING, logger="kvchat.engine.tiers.disk_tier"):
         assert tier.load(h) is None
     assert not path.exists() and tier.stats().invalid == 1
     assert any("salt" in r.message for r in caplog.records)
@@ -200,10 +200,10 @@ def test_a_full_disk_stops_writes_with_one_notice(tmp_path, monkeypatch, caplog)
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("kvchat.engine.disk_tier.write_file_atomically", full)
+    monkeypatch.setattr("kvchat.engine.tiers.disk_tier.write_file_atomically", full)
     tier = make_tier(tmp_path)
     pages = chain(3)
-    with caplog.at_level(logging.WARNING, logger="kvchat.engine.disk_tier"):
+    with caplog.at_level(logging.WARNING, logger="kvchat.engine.tiers.disk_tier"):
         tier.save(*pages[0], random_parts(FMT, 0))
         tier.flush(timeout=30)
         assert not tier.save(*pages[1], random_parts(FMT, 1))  # refused at once from now on

@@ -264,7 +264,7 @@ def test_an_idle_engine_faults_its_kv_store_in_slices_and_yields_to_a_new_reques
     from kvchat.engine import idle_housekeeping
     from kvchat.engine.config import EngineConfig
     from kvchat.engine.engine import Engine
-    from kvchat.engine.kv_store import kv_bytes_per_token
+    from kvchat.engine.tiers.kv_store import kv_bytes_per_token
 
     c = tiny.config
     per_token = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, tiny.dtype)
@@ -306,7 +306,7 @@ def test_idle_defragmentation_runs_in_slices_and_yields_to_a_new_request(tiny, m
     from kvchat.engine import idle_housekeeping
     from kvchat.engine.config import EngineConfig
     from kvchat.engine.engine import Engine
-    from kvchat.engine.kv_store import kv_bytes_per_token
+    from kvchat.engine.tiers.kv_store import kv_bytes_per_token
 
     monkeypatch.setattr(idle_housekeeping, "DEFRAG_PAGES_PER_STEP", 4)
     c = tiny.config

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvchat.engine import flash_shapes
-from kvchat.engine.flash_shapes import KEY_GRANULE, ROW_GRANULE
-from kvchat.engine.paged_attention import PagedAttention
+from kvchat.engine.attention import flash_shapes
+from kvchat.engine.attention.flash_shapes import KEY_GRANULE, ROW_GRANULE
+from kvchat.engine.attention.paged_attention import PagedAttention
 from kvchat.model.batch import ForwardBatch
 
 HKV, GROUP, D = 3, 3, 16

@@ -16,12 +16,12 @@ import torch._dynamo.utils
 # loaded mid-session, transformers' Llama would register types that invalidate compiled graphs
 from transformers import LlamaForCausalLM  # noqa: F401
 
-from kvchat.engine import attention_choice
-from kvchat.engine.attention_choice import resolve_attention
-from kvchat.engine.flex_attention import FlexPagedAttention
-from kvchat.engine.kv_store import DeviceKVStore
-from kvchat.engine.paged_attention import PagedAttention
+from kvchat.engine.attention import attention_choice
+from kvchat.engine.attention.attention_choice import resolve_attention
+from kvchat.engine.attention.flex_attention import FlexPagedAttention
+from kvchat.engine.attention.paged_attention import PagedAttention
 from kvchat.engine.request import GenerationRequest
+from kvchat.engine.tiers.kv_store import DeviceKVStore
 from kvchat.errors import UsageError
 from kvchat.model.batch import ForwardBatch
 from kvchat.model.loader import load_model
@@ -117,7 +117,7 @@ def test_flex_in_bfloat16_is_within_its_rounding_of_sdpa() -> None:
 def test_the_uncompiled_fallback_gives_the_same_result(monkeypatch) -> None:
     """Past torch's recompile limit FlexAttention runs uncompiled, reading every page of the
     store through the mask: the mask alone must keep other sequences' pages out."""
-    from kvchat.engine import flex_attention
+    from kvchat.engine.attention import flex_attention
 
     runs, starts, page_lists = CASES["chunks of mixed lengths beside decodes"]
     compiled, sdpa, _, _ = run_both(runs, starts, page_lists)
@@ -302,7 +302,7 @@ def test_the_command_line_refuses_what_cannot_run_before_loading_a_model(
 
 
 def test_kvchats_cpu_attention_is_refused_on_cuda_naming_what_runs_there() -> None:
-    from kvchat.engine.attention_choice import resolve_attention
+    from kvchat.engine.attention.attention_choice import resolve_attention
     from kvchat.errors import KvchatError
 
     with pytest.raises(KvchatError, match="--attention flex"):

@@ -10,14 +10,14 @@ gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as reference_dequantize  # noqa: E402
 
 from kvchat.errors import ModelLoadError  # noqa: E402
-from kvchat.model.gguf_dequant import (  # noqa: E402
+from kvchat.model.gguf.dequant import (  # noqa: E402
     SUPPORTED_TYPES,
     block_size,
     bytes_per_block,
     dequantize,
     unpack_q4,
 )
-from kvchat.model.gguf_file import GGMLType  # noqa: E402
+from kvchat.model.gguf.file import GGMLType  # noqa: E402
 
 # Byte offsets of the f16 scale fields inside one block of each format. Random
 # bytes there could be NaN/inf; every other byte of a block is a valid code.

@@ -16,13 +16,13 @@ gguf = pytest.importorskip("gguf")
 
 from kvchat.errors import ModelLoadError  # noqa: E402
 from kvchat.model.config import ModelConfig  # noqa: E402
-from kvchat.model.gguf_convert import (  # noqa: E402
+from kvchat.model.gguf.convert import (  # noqa: E402
     gguf_state_dict,
     gguf_to_hf_config,
     llama_cpp_permute,
     undo_llama_cpp_permute,
 )
-from kvchat.model.gguf_file import GGMLType, GGUFFile  # noqa: E402
+from kvchat.model.gguf.file import GGMLType, GGUFFile  # noqa: E402
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvchat.errors import ModelLoadError
-from kvchat.model.gguf_file import GGUFFile
-from kvchat.model.gguf_tokenizer import (
+from kvchat.model.gguf.file import GGUFFile
+from kvchat.model.gguf.tokenizer import (
     TOKEN_BYTE,
     TOKEN_CONTROL,
     TOKEN_NORMAL,

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kvchat.engine.kv_store import DeviceKVStore
+from kvchat.engine.tiers.kv_store import DeviceKVStore
 from kvchat.model import huge_pages
 from kvchat.model.loader import load_model
 from kvchat.model.transformer import _slots

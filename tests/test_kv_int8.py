@@ -7,12 +7,12 @@ import random
 import pytest
 import torch
 
+from kvchat.engine.attention.paged_attention import PagedAttention
+from kvchat.engine.cache.page_hash import root_salt
 from kvchat.engine.config import EngineConfig
 from kvchat.engine.engine import Engine
-from kvchat.engine.kv_store import DeviceKVStore, HostKVStore, KVPageMover
-from kvchat.engine.page_hash import root_salt
-from kvchat.engine.paged_attention import PagedAttention
 from kvchat.engine.request import GenerationRequest
+from kvchat.engine.tiers.kv_store import DeviceKVStore, HostKVStore, KVPageMover
 from kvchat.model.batch import ForwardBatch
 from kvchat.model.loader import load_model
 from tests.engine_helpers import Collector
@@ -119,7 +119,5 @@ def test_int8_prefix_is_never_matched_by_native_kv(tiny):
         c.wait()
         e.close()
         assert e.table.residency(ids).device > 0
-        e.table.rekey(
-            root_salt(tiny.fingerprint, "float32", "native")
-        )  # the same pages, seen by native KV
+        e.table.salt = root_salt(tiny.fingerprint, "float32", "native")  # as native KV sees them
         assert e.table.residency(ids).device == 0

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvchat.engine.host_tier import HostTier
-from kvchat.engine.kv_store import (
+from kvchat.engine.cache.page_table import PageTable
+from kvchat.engine.tiers.host_tier import HostTier
+from kvchat.engine.tiers.kv_store import (
     DeviceKVStore,
     HostKVStore,
     KVPageMover,
     kv_bytes_per_token,
     pages_for_bytes,
 )
-from kvchat.engine.page_table import PageTable
 from tests.page_table_helpers import SALT
 
 L, P, S, H, D = 3, 6, 4, 2, 8  # layers, pages, page size, kv heads, head dim

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from kvchat.errors import KvchatError
-from kvchat.model.gguf_convert import gguf_to_hf_config
-from kvchat.model.gguf_file import GGUFFile
-from kvchat.model.gguf_tokenizer import tokenizer_parts_from_gguf
+from kvchat.model.gguf.convert import gguf_to_hf_config
+from kvchat.model.gguf.file import GGUFFile
+from kvchat.model.gguf.tokenizer import tokenizer_parts_from_gguf
 from kvchat.model.safetensors_folder import read_tensors
 from kvchat.script import parse_script
 from tests.tiny_gguf import write_tiny_gguf

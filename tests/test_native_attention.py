@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from kvchat.engine import native_attention
-from kvchat.engine.paged_attention import PagedAttention
+from kvchat.engine.attention import native_attention
+from kvchat.engine.attention.paged_attention import PagedAttention
 from kvchat.engine.request import GenerationRequest
 from kvchat.model.batch import ForwardBatch
 from kvchat.model.loader import load_model

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.engine.host_tier import HostTier
-from kvchat.engine.page_hash import page_hash, root_salt
-from kvchat.engine.page_table import PageTable
+from kvchat.engine.cache.page_hash import page_hash, root_salt
+from kvchat.engine.cache.page_table import PageTable
 from kvchat.engine.stats import Residency
+from kvchat.engine.tiers.host_tier import HostTier
 from tests.page_table_helpers import PS, SALT, FakeMover, assert_data, compute, make, run_turn
 
 
@@ -111,10 +111,10 @@ def test_orphans_are_evicted_before_an_older_intact_tree() -> None:
     other_salt = root_salt("another-model", "float32", "fp")
     old = list(range(100, 108))
     run_turn(table, mover, 1, old)  # an intact tree, used first
-    table.rekey(other_salt)
+    table.salt = other_salt  # another model's turn on the same pool
     stale = list(range(200, 208))
     run_turn(table, mover, 2, stale)  # used last, but keyed by a salt about to be left
-    table.rekey(SALT)
+    table.salt = SALT
     table.validate()
     # stale's pages chain to a salt in neither tier: they can never match again
     assert table.residency(stale).device == 0
@@ -242,7 +242,7 @@ def test_different_salts_never_match() -> None:
     assert other != SALT
     assert page_hash(other, tokens[:4]) != page_hash(SALT, tokens[:4])
     # the same pool rekeyed for another dtype holds the pages but never matches them
-    table.rekey(other)
+    table.salt = other
     assert table.residency(tokens).device == 0
     res = run_turn(table, mover, 2, tokens)
     assert res.cached_tokens == 0

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.engine.host_tier import HostTier
-from kvchat.engine.page_hash import page_hash
-from kvchat.engine.page_table import PageTable, PageTableCorrupt
+from kvchat.engine.cache.page_hash import page_hash
+from kvchat.engine.cache.page_table import PageTable, PageTableCorrupt
 from kvchat.engine.stats import Residency
+from kvchat.engine.tiers.host_tier import HostTier
 from tests.disk_helpers import DiskMover, FakeDisk
 from tests.page_table_helpers import PS, SALT, assert_data, compute
 

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvchat.engine.host_tier import HostTier
-from kvchat.engine.page_hash import page_hash
-from kvchat.engine.page_table import PageTable
+from kvchat.engine.cache.page_hash import page_hash
+from kvchat.engine.cache.page_table import PageTable
+from kvchat.engine.tiers.host_tier import HostTier
 from tests.disk_helpers import DiskMover, FakeDisk
 from tests.page_table_helpers import PS, SALT, assert_data
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvchat.engine import paged_attention
-from kvchat.engine.paged_attention import PagedAttention
+from kvchat.engine.attention import paged_attention
+from kvchat.engine.attention.paged_attention import PagedAttention
 from kvchat.model.batch import ForwardBatch
 
 PAGE, HKV, GROUP, D = 16, 3, 3, 8

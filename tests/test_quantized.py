@@ -105,8 +105,8 @@ def logits_in_small_chunks(model, ids: list[int], chunk: int = 8) -> torch.Tenso
     """Every position's logits, fed 8 tokens a step: decode-sized batches, which take the
     int4 kernel users decode with (from `PACKED_FROM_TOKENS` rows on, layers switch to
     their dense copy, which would measure the dequantized weights instead)."""
-    from kvchat.engine.kv_store import DeviceKVStore
-    from kvchat.engine.paged_attention import PagedAttention
+    from kvchat.engine.attention.paged_attention import PagedAttention
+    from kvchat.engine.tiers.kv_store import DeviceKVStore
     from kvchat.model.batch import ForwardBatch
 
     c = model.config

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvchat.model.gguf_dequant import dequantize, unpack_q4, unpack_q8_0
-from kvchat.model.gguf_file import GGMLType
+from kvchat.model.gguf.dequant import dequantize, unpack_q4, unpack_q8_0
+from kvchat.model.gguf.file import GGMLType
 from kvchat.model.quantized_linear import Q4Linear, Q8Linear
 from kvchat.native import build as native_build
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from kvchat.engine.cache.page_hash import root_salt
+from kvchat.engine.cache.page_table import PageTable
 from kvchat.engine.config import EngineConfig
-from kvchat.engine.page_hash import root_salt
-from kvchat.engine.page_table import PageTable
 from kvchat.engine.request import GenerationRequest
 from kvchat.engine.scheduler import Scheduler
 from kvchat.engine.sequence import Sequence

@@ -22,7 +22,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from kvchat.engine import paged_attention
+from kvchat.engine.attention import paged_attention
 from kvchat.engine.config import EngineConfig
 from kvchat.engine.engine import Engine
 from kvchat.engine.events import RequestFinished

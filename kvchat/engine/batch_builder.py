@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kvchat.engine.cache.page_table import PageTable
 from kvchat.engine.drafts import DraftRun
-from kvchat.engine.page_table import PageTable
 from kvchat.engine.scheduler import StepPlan
 from kvchat.model.batch import ForwardBatch
 

@@ -55,7 +55,7 @@ class EngineConfig:
     # the most tokens a sequence may hold (prompt and reply): the model's context, or
     # fewer (--context-size), which bounds a conversation's KV cache and its prompt
     context_tokens: int | None = None
-    # Which attention reads the cache (engine/attention_choice.py): "native" (kvchat's CPU
+    # Which attention reads the cache (engine/attention/attention_choice.py): "native" (kvchat's CPU
     # kernel once built), "flex" (torch's FlexAttention, compiled) or "sdpa"; None: the
     # device's default (flex on CUDA, native elsewhere).
     attention: str | None = None

@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvchat.engine.cache.page_table import PageTable
 from kvchat.engine.draft_pacer import DraftPacer
 from kvchat.engine.events import DraftProgress
-from kvchat.engine.page_table import PageTable
 
 log = logging.getLogger(__name__)
 

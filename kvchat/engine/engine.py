@@ -30,12 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvchat.engine.attention_choice import make_attention, resolve_attention
+from kvchat.engine.attention.attention_choice import make_attention, resolve_attention
 from kvchat.engine.batch_builder import build_batch
+from kvchat.engine.cache.page_hash import root_salt
+from kvchat.engine.cache.page_table import PageTable
 from kvchat.engine.config import EngineConfig, default_cache_bytes
-from kvchat.engine.detokenize import token_text
-from kvchat.engine.disk_page import DiskPageFormat
-from kvchat.engine.disk_tier import DiskTier
 from kvchat.engine.drafts import Draft, DraftQueue, DraftRun
 from kvchat.engine.events import (
     CachedTokens,
@@ -47,17 +46,18 @@ from kvchat.engine.events import (
     TokenGenerated,
 )
 from kvchat.engine.heap_trim import HeapTrim
-from kvchat.engine.host_tier import HostTier
 from kvchat.engine.idle_housekeeping import IdleHousekeeping
-from kvchat.engine.kv_store import DeviceKVStore, HostKVStore, KVPageMover, pages_for_bytes
-from kvchat.engine.page_hash import root_salt
-from kvchat.engine.page_table import PageTable
 from kvchat.engine.request import FinishReason, GenerationRequest, RequestState
 from kvchat.engine.sampling import sample_next
 from kvchat.engine.scheduler import Scheduler, StepPlan
 from kvchat.engine.sequence import Sequence
 from kvchat.engine.stats import DiskBytes, EngineStats, Evictions, Residency, TierPages
 from kvchat.engine.step_pacer import StepKind
+from kvchat.engine.text_stream import token_text
+from kvchat.engine.tiers.disk_page import DiskPageFormat
+from kvchat.engine.tiers.disk_tier import DiskTier
+from kvchat.engine.tiers.host_tier import HostTier
+from kvchat.engine.tiers.kv_store import DeviceKVStore, HostKVStore, KVPageMover, pages_for_bytes
 from kvchat.errors import KvchatError
 from kvchat.model.batch import ForwardBatch
 from kvchat.model.detokenizer import IncrementalDetokenizer

@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import torch
 
+from kvchat.engine.cache.page_table import PageTable
 from kvchat.engine.config import available_memory
-from kvchat.engine.kv_store import DeviceKVStore
-from kvchat.engine.page_table import PageTable
+from kvchat.engine.tiers.kv_store import DeviceKVStore
 
 # Idle defragmentation moves at most this many pages a step, so a request that arrives
 # meanwhile waits for one slice, not for the whole pass (measured: docs/kv-cache.md).

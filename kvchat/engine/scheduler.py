@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvchat.engine.cache.page_table import PageTable, Reservation
 from kvchat.engine.config import EngineConfig
-from kvchat.engine.page_table import PageTable, Reservation
 from kvchat.engine.request import RequestState
 from kvchat.engine.sequence import Sequence
 from kvchat.engine.step_pacer import MIN_PREFILL_TOKENS, StepKind, StepPacer

@@ -63,10 +63,6 @@ class Sequence:
     def to_compute(self) -> int:
         return len(self.tokens) - self.num_computed
 
-    @property
-    def is_prefilling(self) -> bool:
-        return self.to_compute > 1
-
     def emit(self, event: EngineEvent) -> None:
         self.on_event(event)
 

@@ -151,8 +151,8 @@ def dense_weights_note(
 
 def _native_quantized(source, folder, config, dtype, tensors, progress) -> dict:
     """The GGUF's 4-bit layers, prepared once and cached beside the converted weights."""
-    from kvchat.model.gguf_file import GGUFFile
-    from kvchat.model.gguf_weights import quantized_linears
+    from kvchat.model.gguf.file import GGUFFile
+    from kvchat.model.gguf.weights import quantized_linears
     from kvchat.model.quantized_linear import load_linears, save_linears
 
     cache = folder / f"native-q4-v{NATIVE_CACHE_VERSION}-{dtype_name(dtype)}.safetensors"
@@ -218,9 +218,9 @@ def convert_gguf(
     path: Path, dtype: torch.dtype, progress: Progress, label: str | None = None
 ) -> Path:
     """The cached Hugging Face style folder for a GGUF file, converting it on first use."""
-    from kvchat.model.gguf_convert import gguf_state_dict, gguf_to_hf_config
-    from kvchat.model.gguf_file import GGUFFile
-    from kvchat.model.gguf_tokenizer import tokenizer_parts_from_gguf
+    from kvchat.model.gguf.convert import gguf_state_dict, gguf_to_hf_config
+    from kvchat.model.gguf.file import GGUFFile
+    from kvchat.model.gguf.tokenizer import tokenizer_parts_from_gguf
 
     if not path.exists():
         raise ModelLoadError(f"{path} does not exist.")

@@ -177,8 +177,8 @@ def describe(path: Path) -> ModelFacts:
 
 def _describe_gguf(path: Path) -> ModelFacts:
     from kvchat.model.config import ModelConfig
-    from kvchat.model.gguf_convert import gguf_to_hf_config
-    from kvchat.model.gguf_file import GGUFFile
+    from kvchat.model.gguf.convert import gguf_to_hf_config
+    from kvchat.model.gguf.file import GGUFFile
 
     size = path.stat().st_size
     try:
@@ -220,7 +220,7 @@ def _describe_folder(path: Path) -> ModelFacts:
 
 
 def _ggml_type_name(ggml_type: int) -> str:
-    from kvchat.model.gguf_file import GGMLType
+    from kvchat.model.gguf.file import GGMLType
 
     try:
         return GGMLType(ggml_type).name

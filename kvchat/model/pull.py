@@ -118,7 +118,7 @@ def _check_folder_config(config: Path, repo_id: str) -> None:
 def _check_gguf_architecture(gguf: dict | None, repo_id: str) -> None:
     """The hub parses every GGUF's header; its architecture field says enough to refuse
     before the download. (A mirror that does not say is checked after.)"""
-    from kvchat.model.gguf_convert import SUPPORTED_ARCHITECTURES
+    from kvchat.model.gguf.convert import SUPPORTED_ARCHITECTURES
 
     arch = (gguf or {}).get("architecture")
     if arch is not None and arch not in SUPPORTED_ARCHITECTURES:

@@ -33,13 +33,13 @@ from kvchat.bench.peers.base import BatchResult, SpeedMeasured, TurnResult
 from kvchat.chat.events import ReplyDelta, ReplyFinished, SessionFailed
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
-from kvchat.engine.attention_choice import make_attention, resolve_attention
+from kvchat.engine.attention.attention_choice import make_attention, resolve_attention
 from kvchat.engine.config import EngineConfig
 from kvchat.engine.engine import Engine, freeze_long_lived_objects
 from kvchat.engine.events import EngineEvent, RequestFinished, TokenGenerated
-from kvchat.engine.kv_store import DeviceKVStore, kv_bytes_per_token
 from kvchat.engine.request import GenerationRequest, SamplingParams
 from kvchat.engine.stats import EngineStats
+from kvchat.engine.tiers.kv_store import DeviceKVStore, kv_bytes_per_token
 from kvchat.errors import KvchatError
 from kvchat.model.batch import ForwardBatch
 from kvchat.model.device import dtype_name

@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 
-from kvchat.engine.copy_stream import CopyStream
+from kvchat.engine.tiers.copy_stream import CopyStream
 from kvchat.model import huge_pages
 
 KV_FORMATS = ("native", "int8")

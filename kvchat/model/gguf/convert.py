@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from kvchat.errors import ModelLoadError
-from kvchat.model.gguf_dequant import dequantize
-from kvchat.model.gguf_file import GGUFFile
+from kvchat.model.gguf.dequant import dequantize
+from kvchat.model.gguf.file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama", "phi3", "qwen2", "qwen3", "qwen3moe", "smollm3")
 # the architectures whose q/k rows llama.cpp's converter permutes (`llama_cpp_permute`)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kvchat.errors import ModelLoadError
-from kvchat.model.gguf_file import GGML_BLOCK_SIZES, GGMLType
+from kvchat.model.gguf.file import GGML_BLOCK_SIZES, GGMLType
 
 QK = 32
 """Values per block of the legacy formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0)."""

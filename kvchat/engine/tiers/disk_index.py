@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
-from kvchat.engine.eviction import tier_eviction_order
+from kvchat.engine.cache.eviction import tier_eviction_order
 
 
 @dataclass(frozen=True)

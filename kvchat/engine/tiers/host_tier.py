@@ -25,8 +25,8 @@ import heapq
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
-from kvchat.engine.eviction import tier_eviction_order
-from kvchat.engine.page_hash import page_hash
+from kvchat.engine.cache.eviction import tier_eviction_order
+from kvchat.engine.cache.page_hash import page_hash
 
 
 @dataclass(frozen=True)

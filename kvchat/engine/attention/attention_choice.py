@@ -38,7 +38,7 @@ def resolve_attention(choice: str | None, device: torch.device, kv_format: str =
     if choice == "native" and device.type != "cpu":
         raise UsageError(NATIVE_ON_CUDA)
     if choice == "flex":
-        from kvchat.engine.flex_attention import check_kv_format
+        from kvchat.engine.attention.flex_attention import check_kv_format
 
         check_kv_format(kv_format)
     return choice
@@ -47,10 +47,10 @@ def resolve_attention(choice: str | None, device: torch.device, kv_format: str =
 def make_attention(store, choice: str, *, max_batch: int = 16):
     """The `Attention` of a forward pass over a `DeviceKVStore`, for a resolved `choice`."""
     if choice == "flex":
-        from kvchat.engine.flex_attention import FlexPagedAttention
+        from kvchat.engine.attention.flex_attention import FlexPagedAttention
 
         return FlexPagedAttention.for_store(store, max_batch=max_batch)
-    from kvchat.engine.paged_attention import PagedAttention
+    from kvchat.engine.attention.paged_attention import PagedAttention
 
     attention = PagedAttention.for_store(store)
     attention.native_enabled = choice == "native"

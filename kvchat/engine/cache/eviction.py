@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # annotations only: the host tier imports this module
-    from kvchat.engine.host_tier import HostTier
-    from kvchat.engine.page_records import Page
-    from kvchat.engine.prefix_index import PrefixIndex
+    from kvchat.engine.cache.page_records import Page
+    from kvchat.engine.cache.prefix_index import PrefixIndex
+    from kvchat.engine.tiers.host_tier import HostTier
 
 
 @dataclass(frozen=True)

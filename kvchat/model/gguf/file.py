@@ -4,7 +4,7 @@ GGUF is llama.cpp's single-file model format: a header, key/value metadata
 (hyper-parameters, the tokenizer, the chat template), a table of tensor
 descriptions, then the tensor data, aligned. This module owns the byte layout
 only; what the metadata and the tensors mean for kvchat lives in
-`gguf_convert.py`, `gguf_tokenizer.py` and `gguf_dequant.py`.
+`convert.py`, `tokenizer.py` and `dequant.py` beside it.
 
 We read it ourselves (numpy memmap + `struct`) rather than through the `gguf`
 package so that the app does not depend on it at run time, and so that every

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvchat.engine.page_records import Page
-from kvchat.engine.prefix_index import PrefixIndex
+from kvchat.engine.cache.page_records import Page
+from kvchat.engine.cache.prefix_index import PrefixIndex
 
 # Free pages left after each cached tree by `defragment` (when the pool has room): room for
 # a conversation's next turn (a user message and a reply) to extend its run in place.

@@ -7,11 +7,11 @@ as wrong text many turns later.
 
 from __future__ import annotations
 
-from kvchat.engine.cache_counters import CacheCounters
-from kvchat.engine.host_tier import HostTier
-from kvchat.engine.page_hash import page_hash
-from kvchat.engine.page_records import Page, SeqPages
-from kvchat.engine.prefix_index import PrefixIndex
+from kvchat.engine.cache.cache_counters import CacheCounters
+from kvchat.engine.cache.page_hash import page_hash
+from kvchat.engine.cache.page_records import Page, SeqPages
+from kvchat.engine.cache.prefix_index import PrefixIndex
+from kvchat.engine.tiers.host_tier import HostTier
 
 
 def page_table_problems(

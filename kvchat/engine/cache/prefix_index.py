@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Container, Iterable
 from dataclasses import dataclass
 
-from kvchat.engine.host_tier import HostTier
-from kvchat.engine.page_hash import page_hash
-from kvchat.engine.page_records import Page
+from kvchat.engine.cache.page_hash import page_hash
+from kvchat.engine.cache.page_records import Page
+from kvchat.engine.tiers.host_tier import HostTier
 from kvchat.engine.token_ids import common_prefix
 
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from kvchat.model.config import ModelConfig
-from kvchat.model.gguf_convert import PERMUTED_ARCHITECTURES, undo_llama_cpp_permute
-from kvchat.model.gguf_dequant import dequantize, unpack_q4, unpack_q8_0
-from kvchat.model.gguf_file import GGMLType, GGUFFile
+from kvchat.model.gguf.convert import PERMUTED_ARCHITECTURES, undo_llama_cpp_permute
+from kvchat.model.gguf.dequant import dequantize, unpack_q4, unpack_q8_0
+from kvchat.model.gguf.file import GGMLType, GGUFFile
 from kvchat.model.linear import Linear
 from kvchat.model.quantized_linear import (
     Int4Linear,

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as save_bytes
 
-from kvchat.engine.page_hash import HASH_BYTES, KV_NUMERICS_VERSION, page_hash
+from kvchat.engine.cache.page_hash import HASH_BYTES, KV_NUMERICS_VERSION, page_hash
 
 FORMAT_NAME = "kvchat-kv-page"
 FORMAT_VERSION = 1

@@ -34,20 +34,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from kvchat.engine.cache_counters import CacheCounters, PageTableStats
-from kvchat.engine.defragment import (
+from kvchat.engine.cache.cache_counters import CacheCounters, PageTableStats
+from kvchat.engine.cache.defragment import (
     defrag_layout,
     defrag_targets,
     move_into_place,
 )
-from kvchat.engine.eviction import eviction_order
-from kvchat.engine.free_pages import FreePages
-from kvchat.engine.host_tier import HostTier
-from kvchat.engine.page_hash import page_hash
-from kvchat.engine.page_records import Page, SeqPages
-from kvchat.engine.page_table_invariants import page_table_problems
-from kvchat.engine.prefix_index import PrefixIndex
+from kvchat.engine.cache.eviction import eviction_order
+from kvchat.engine.cache.free_pages import FreePages
+from kvchat.engine.cache.page_hash import page_hash
+from kvchat.engine.cache.page_records import Page, SeqPages
+from kvchat.engine.cache.page_table_invariants import page_table_problems
+from kvchat.engine.cache.prefix_index import PrefixIndex
 from kvchat.engine.stats import Residency, TierPages
+from kvchat.engine.tiers.host_tier import HostTier
 
 
 class PageTableCorrupt(AssertionError):
@@ -391,17 +391,6 @@ class PageTable:
             if page.refcount == 0:
                 self._settle(p)
 
-    def rekey(self, salt: bytes) -> None:
-        """Switch to another root salt (another model, dtype or KV format) keeping the pool.
-
-        Nothing is copied or dropped now: pages under the old salt can simply never
-        match again, so they become orphans, the first victims of the next eviction.
-        Live sequences must have ended (their pages would chain to the old salt).
-        """
-        if self._seqs:
-            raise ValueError("rekey needs every sequence released first")
-        self.salt = salt
-
     def pages(self, seq_id: int) -> tuple[int, ...]:
         return tuple(self._seq(seq_id).pages)
 
@@ -410,10 +399,6 @@ class PageTable:
 
     def is_live(self, seq_id: int) -> bool:
         return seq_id in self._seqs
-
-    def available_pages(self) -> int:
-        """Pages an allocation could get now: free ones plus every evictable cached one."""
-        return len(self._free) + len(self._cached)
 
     # ---- cache queries and upkeep --------------------------------------------------------
 

@@ -1,13 +1,24 @@
-"""Stop strings: where a request's text must end, and which tail to hold back meanwhile.
+"""A request's text as it streams: each sampled token through the request's detokenizer,
+then through its stop strings.
 
-A stop string may arrive split over several tokens, so the text that might be its
-start is held back (`Sequence.pending_text`) until the next token says whether it
-was one; the stop string itself is never emitted.
+The detokenizer never splits a UTF-8 character (it holds back an incomplete one); the
+last token of a request flushes whatever it held. A stop string may arrive split over
+several tokens, so the text that might be its start is held back
+(`Sequence.pending_text`) until the next token says whether it was one; the stop string
+itself is never emitted.
 """
 
 from __future__ import annotations
 
 from kvchat.engine.sequence import Sequence
+
+
+def token_text(seq: Sequence, token: int, *, final: bool) -> tuple[str, bool]:
+    """The text `token` adds to the request's reply now, and whether a stop string ended it."""
+    delta = seq.detokenizer.push([token])
+    if final:
+        delta += seq.detokenizer.flush()
+    return apply_stop_strings(seq, delta, final=final)
 
 
 def apply_stop_strings(seq: Sequence, delta: str, *, final: bool) -> tuple[str, bool]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvchat.engine import flash_shapes, native_attention
+from kvchat.engine.attention import flash_shapes, native_attention
 from kvchat.model.batch import ForwardBatch
 
 # A chunk's scattered context is read in at most this many runs of pages; more: one

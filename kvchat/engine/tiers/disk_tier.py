@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from kvchat.engine.disk_index import DiskEntry, DiskIndex
-from kvchat.engine.disk_page import (
+from kvchat.engine.tiers.disk_index import DiskEntry, DiskIndex
+from kvchat.engine.tiers.disk_page import (
     DIR_MODE,
     PAGE_SUFFIX,
     DiskPageFormat,
@@ -44,7 +44,7 @@ from kvchat.engine.disk_page import (
     temp_owner_pid,
     write_file_atomically,
 )
-from kvchat.engine.disk_writer import BackgroundWriter
+from kvchat.engine.tiers.disk_writer import BackgroundWriter
 from kvchat.processes import pid_alive
 
 log = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ class DiskTier:
 
     def problems(self) -> list[str]:
         """Every broken invariant of the tier, as precise messages (empty when sound)."""
-        from kvchat.engine.page_hash import page_hash
+        from kvchat.engine.cache.page_hash import page_hash
 
         with self._lock:
             out = self.index.problems()
