@@ -32,9 +32,7 @@ import torch
 
 from kvchat.engine.attention.attention_choice import make_attention, resolve_attention
 from kvchat.engine.batch_builder import build_batch
-from kvchat.engine.cache.page_hash import root_salt
-from kvchat.engine.cache.page_table import PageTable
-from kvchat.engine.config import EngineConfig, default_cache_bytes
+from kvchat.engine.config import EngineConfig
 from kvchat.engine.drafts import Draft, DraftQueue, DraftRun
 from kvchat.engine.events import (
     CachedTokens,
@@ -47,6 +45,7 @@ from kvchat.engine.events import (
 )
 from kvchat.engine.heap_trim import HeapTrim
 from kvchat.engine.idle_housekeeping import IdleHousekeeping
+from kvchat.engine.kv_cache import build_kv_cache
 from kvchat.engine.request import FinishReason, GenerationRequest, RequestState
 from kvchat.engine.sampling import sample_next
 from kvchat.engine.scheduler import Scheduler, StepPlan
@@ -54,14 +53,9 @@ from kvchat.engine.sequence import Sequence
 from kvchat.engine.stats import DiskBytes, EngineStats, Evictions, Residency, TierPages
 from kvchat.engine.step_pacer import StepKind
 from kvchat.engine.text_stream import token_text
-from kvchat.engine.tiers.disk_page import DiskPageFormat
 from kvchat.engine.tiers.disk_tier import DiskTier
-from kvchat.engine.tiers.host_tier import HostTier
-from kvchat.engine.tiers.kv_store import DeviceKVStore, HostKVStore, KVPageMover, pages_for_bytes
-from kvchat.errors import KvchatError
 from kvchat.model.batch import ForwardBatch
 from kvchat.model.detokenizer import IncrementalDetokenizer
-from kvchat.model.device import dtype_name
 from kvchat.native import build as native_build
 from kvchat.rate_window import RateWindow
 
@@ -107,60 +101,24 @@ class Engine:
         self.transformer = model.transformer
         self.tokenizer = model.tokenizer
         mc = model.config
-        device, dtype = self.transformer.device, self.transformer.dtype
-        default_dev, default_host = default_cache_bytes(device)
-        dev_bytes = self.config.device_cache_bytes or default_dev
-        host_bytes = (
-            default_host if self.config.host_cache_bytes is None else self.config.host_cache_bytes
-        )
-        ps = self.config.page_size
-        geometry = (mc.num_layers, ps, mc.num_kv_heads, mc.head_dim, dtype)
-        kv_format = self.config.kv_format
-        self.attention_kind = resolve_attention(self.config.attention, device, kv_format)
-        num_pages = pages_for_bytes(dev_bytes, *geometry, kv_format)
-        host_slots = pages_for_bytes(host_bytes, *geometry, kv_format)
-        if num_pages < 2:
-            raise KvchatError(
-                f"The device cache ({dev_bytes} bytes) holds fewer than 2 pages of "
-                f"{ps} tokens; raise --device-cache or lower --page-size."
-            )
-        self.store = DeviceKVStore(*geometry[:1], num_pages, *geometry[1:], device, kv_format)
-        self.host_store = (
-            HostKVStore(host_slots, *geometry, device, kv_format) if host_slots else None
+        self.attention_kind = resolve_attention(
+            self.config.attention, self.transformer.device, self.config.kv_format
         )
         self.max_context = min(
             mc.max_position_embeddings,
             self.transformer.max_positions,
             self.config.context_tokens or mc.max_position_embeddings,
         )
-        # keys rotated by another of LongRoPE's frequency sets are other keys
-        rotary_set = self.transformer.fit_context(self.max_context)
-        fingerprint = model.fingerprint + (f"-rope-{rotary_set}" if rotary_set else "")
-        salt = root_salt(fingerprint, dtype_name(dtype), self.config.kv_format)
-        self.mover = KVPageMover(self.store, self.host_store)
-        self.disk: DiskTier | None = None
-        if self.config.disk_cache_bytes > 0:
-            from kvchat.paths import app_paths
-
-            fmt = DiskPageFormat(
-                salt, ps, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype_name(dtype), kv_format
-            )
-            root = self.config.disk_cache_dir or app_paths().kv_cache_dir
-            # the writer holds back while requests run (a reply streams at full speed)
-            self.disk = DiskTier(
-                root,
-                fmt,
-                self.config.disk_cache_bytes,
-                busy=lambda: bool(self.scheduler.running or self.scheduler.waiting),
-            )
-        self.table = PageTable(
-            num_pages,
-            ps,
-            salt,
-            HostTier(host_slots) if host_slots else None,
-            self.mover,
-            self.disk,
+        cache = build_kv_cache(
+            model,
+            self.config,
+            self.max_context,
+            busy=lambda: bool(self.scheduler.running or self.scheduler.waiting),
         )
+        self.store, self.host_store, self.mover = cache.store, cache.host_store, cache.mover
+        self.disk: DiskTier | None = cache.disk
+        self.table = cache.table
+        ps = self.config.page_size
         self.attention = make_attention(
             self.store, self.attention_kind, max_batch=self.config.max_batch
         )

@@ -1,0 +1,72 @@
+"""The KV cache an engine runs on, built from the model and the engine's settings: the
+device store and its page table, the host and disk tiers behind it, and the root salt
+that names its pages.
+
+Sizes become pages here (`pages_for_bytes`), and a device cache of fewer than two pages
+is refused with what to change. The salt holds everything that makes two caches' keys
+differ for the same tokens: the model's weights, the dtype, the KV format and, for
+LongRoPE models, the frequency set the context selects (`Transformer.fit_context`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvchat.engine.cache.page_hash import root_salt
+from kvchat.engine.cache.page_table import PageTable
+from kvchat.engine.config import EngineConfig, default_cache_bytes
+from kvchat.engine.tiers.disk_page import DiskPageFormat
+from kvchat.engine.tiers.disk_tier import DiskTier
+from kvchat.engine.tiers.host_tier import HostTier
+from kvchat.engine.tiers.kv_store import DeviceKVStore, HostKVStore, KVPageMover, pages_for_bytes
+from kvchat.errors import KvchatError
+from kvchat.model.device import dtype_name
+
+
+@dataclass(frozen=True)
+class KVCache:
+    store: DeviceKVStore
+    host_store: HostKVStore | None
+    mover: KVPageMover
+    disk: DiskTier | None
+    table: PageTable
+
+
+def build_kv_cache(model, config: EngineConfig, context: int, busy: Callable[[], bool]) -> KVCache:
+    """The cache for `model` (a `LoadedModel`) running contexts of up to `context`
+    tokens; `busy` tells the disk tier's writer when requests run (it holds back then)."""
+    mc, transformer = model.config, model.transformer
+    device, dtype = transformer.device, transformer.dtype
+    default_dev, default_host = default_cache_bytes(device)
+    dev_bytes = config.device_cache_bytes or default_dev
+    host_bytes = default_host if config.host_cache_bytes is None else config.host_cache_bytes
+    ps, kv_format = config.page_size, config.kv_format
+    geometry = (mc.num_layers, ps, mc.num_kv_heads, mc.head_dim, dtype)
+    num_pages = pages_for_bytes(dev_bytes, *geometry, kv_format)
+    host_slots = pages_for_bytes(host_bytes, *geometry, kv_format)
+    if num_pages < 2:
+        raise KvchatError(
+            f"The device cache ({dev_bytes} bytes) holds fewer than 2 pages of "
+            f"{ps} tokens; raise --device-cache or lower --page-size."
+        )
+    store = DeviceKVStore(*geometry[:1], num_pages, *geometry[1:], device, kv_format)
+    host_store = HostKVStore(host_slots, *geometry, device, kv_format) if host_slots else None
+    # keys rotated by another of LongRoPE's frequency sets are other keys
+    rotary_set = transformer.fit_context(context)
+    fingerprint = model.fingerprint + (f"-rope-{rotary_set}" if rotary_set else "")
+    salt = root_salt(fingerprint, dtype_name(dtype), kv_format)
+    mover = KVPageMover(store, host_store)
+    disk = None
+    if config.disk_cache_bytes > 0:
+        from kvchat.paths import app_paths
+
+        fmt = DiskPageFormat(
+            salt, ps, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype_name(dtype), kv_format
+        )
+        root = config.disk_cache_dir or app_paths().kv_cache_dir
+        disk = DiskTier(root, fmt, config.disk_cache_bytes, busy=busy)
+    table = PageTable(
+        num_pages, ps, salt, HostTier(host_slots) if host_slots else None, mover, disk
+    )
+    return KVCache(store, host_store, mover, disk, table)
