@@ -74,6 +74,7 @@ from kvchat.chat.session import (
     MessageView,
     Session,
     SessionView,
+    TurnState,
     TurnStats,
     session_markdown,
 )
@@ -88,7 +89,6 @@ from kvchat.engine.api import (
     PrefillProgress,
     RequestFinished,
     RequestStarted,
-    RequestState,
     Residency,
     SamplingParams,
     TokenGenerated,
@@ -98,7 +98,7 @@ from kvchat.errors import KvchatError
 
 log = logging.getLogger("kvchat.chat")
 
-IDLE = "idle"
+IDLE = TurnState.IDLE
 MODEL_CHANGED_NOTICE = (
     "This session was computed with another model: its history will be computed again "
     "at the next turn."
@@ -126,7 +126,7 @@ class _Runtime:
     """Per-session state that is not persisted: the live request and UI flags."""
 
     request_id: int | None = None
-    state: str = IDLE
+    state: TurnState = IDLE
     message: Message | None = None  # the assistant message being written
     turn: int = 0
     generated: list[int] = field(default_factory=list)
@@ -853,7 +853,7 @@ class SessionService:
         session.model_fingerprint = self._engine.model_fingerprint
         rt.message, rt.generated, rt.unsaved_tokens = assistant, [], 0
         rt.turn = session.turn_count()
-        rt.state = str(RequestState.QUEUED)
+        rt.state = TurnState.QUEUED
         rt.last_save = time.monotonic()
         rt.notice = None
         self._persist(session, [*also, assistant], removed=removed)
@@ -889,12 +889,12 @@ class SessionService:
             if session is None or rt is None or rt.message is None or rt.message.id != message_id:
                 return  # a reply we no longer track
             if isinstance(event, RequestStarted | PrefillProgress):
-                if rt.state != str(RequestState.PREFILLING):
-                    rt.state = str(RequestState.PREFILLING)
+                if rt.state != TurnState.PREFILLING:
+                    rt.state = TurnState.PREFILLING
                     events.append(SessionChanged(session_id))
             elif isinstance(event, TokenGenerated):
-                if rt.state != str(RequestState.DECODING):
-                    rt.state = str(RequestState.DECODING)
+                if rt.state != TurnState.DECODING:
+                    rt.state = TurnState.DECODING
                     events.append(SessionChanged(session_id))
                 rt.message.content += event.text
                 rt.generated.extend(event.token_ids)

@@ -24,6 +24,16 @@ from kvchat.engine.api import (
 )
 
 
+class TurnState(StrEnum):
+    """Where a session's turn is: idle, or the state word of its request (the same words
+    as the engine's `RequestState`)."""
+
+    IDLE = "idle"
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+
+
 class MessageState(StrEnum):
     COMPLETE = "complete"
     STREAMING = "streaming"
@@ -159,7 +169,7 @@ class SessionView:
 
     id: str
     title: str
-    state: str  # "idle" or the request's state word (queued, prefilling, decoding)
+    state: TurnState
     archived: bool
     unread: bool
     queued_says: int  # says waiting for the current reply to end

@@ -83,7 +83,7 @@ from kvchat.chat.recovery import UnsavedReport
 from kvchat.chat.sampling_text import parse_sampling, sampling_text
 from kvchat.chat.search import SearchHit
 from kvchat.chat.service import RETRY_SAVE_S, SessionService
-from kvchat.chat.session import MessageView, SessionView
+from kvchat.chat.session import MessageView, SessionView, TurnState
 from kvchat.chat.settings import Settings, save_setting
 from kvchat.chat.store import Store
 from kvchat.engine.api import Residency
@@ -647,7 +647,7 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
             typed = self.composer.message if session_id == self.current else view.unsent
             return (
                 view.message_count == 0
-                and view.state == "idle"
+                and view.state == TurnState.IDLE
                 and not view.queued_says
                 and not typed.strip()
             )
@@ -887,7 +887,7 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
             for m in reversed(messages)
             if m.role == "user"
         ]
-        if self.views[session_id].state == "idle":
+        if self.views[session_id].state == TurnState.IDLE:
             commands.insert(
                 0,
                 SimpleCommand(

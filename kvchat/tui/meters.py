@@ -17,7 +17,7 @@ from textual.containers import Vertical
 from textual.content import Content
 from textual.widgets import Label, Sparkline, Static
 
-from kvchat.chat.session import SessionView
+from kvchat.chat.session import SessionView, TurnState
 from kvchat.engine.api import EngineStats, TierPages
 from kvchat.tui.repaint import same_content, update_static
 from kvchat.units import format_size
@@ -67,7 +67,7 @@ def tier_bar(pages: TierPages | None, width: int = BAR_WIDTH) -> Content:
 
 def _which_turn(view: SessionView | None) -> str:
     """What the last-turn figures are of: with a reply on the way, the turn before it."""
-    return "previous turn" if view is not None and view.state != "idle" else "last turn"
+    return "previous turn" if view is not None and view.state != TurnState.IDLE else "last turn"
 
 
 def _pct(value: float | None) -> str:
@@ -186,7 +186,7 @@ class Meters(Vertical):
         which = _which_turn(view)
         self._set("ttft", "—" if ttft is None else f"{which} {ttft * 1000:,.0f} ms")
         overall_rate = _rate(stats.decode_tok_s or None)  # 0: nothing decoded lately
-        if view is not None and view.state == "idle":
+        if view is not None and view.state == TurnState.IDLE:
             this = f"last turn {self._this_rate(view, session_rate)}"
         else:
             this = f"this reply {self._this_rate(view, session_rate)}"
@@ -197,7 +197,7 @@ class Meters(Vertical):
         samples, its state before the first token), else its last turn's of this run."""
         if view is None:
             return "—"
-        if view.state == "idle":
+        if view.state == TurnState.IDLE:
             last = view.last_turn if view.id in self._finished_here else None
             return _rate(last.decode_tok_s if last is not None else None)
         if session_rate is not None:

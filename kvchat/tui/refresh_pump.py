@@ -16,6 +16,7 @@ import time
 from textual import work
 
 from kvchat.chat.service import SessionService
+from kvchat.chat.session import TurnState
 from kvchat.engine.api import Residency
 from kvchat.errors import KvchatError
 from kvchat.tui.messages import ResidencyReady
@@ -75,7 +76,7 @@ class RefreshPump:
             return
         self._meters_at = time.monotonic()
         for session_id, view in list(self.views.items()):
-            if view.state != "idle" or session_id == self.current:
+            if view.state != TurnState.IDLE or session_id == self.current:
                 self._refresh_row(session_id)
         view = self.views.get(self.current) if self.current else None
         rate = self.buffer.session_rate(self.current) if self.current else None
@@ -98,7 +99,9 @@ class RefreshPump:
             self._residency_all_at = time.monotonic()
             ids = list(self.views)
         else:
-            ids = [s for s, v in self.views.items() if v.state != "idle" or s == self.current]
+            ids = [
+                s for s, v in self.views.items() if v.state != TurnState.IDLE or s == self.current
+            ]
         if ids:
             self._residency_busy = True
             self._compute_residency(self.service, ids)

@@ -24,7 +24,7 @@ from textual.content import Content
 from textual.message import Message
 from textual.widgets import Static
 
-from kvchat.chat.session import SessionView
+from kvchat.chat.session import SessionView, TurnState
 from kvchat.engine.api import Residency
 from kvchat.tui.repaint import update_static
 
@@ -85,7 +85,7 @@ def row_fields(index: int, view: SessionView, residency: Residency | None) -> tu
         view.unread,
         view.title[:40],
         view.state + (f" +{view.queued_says}" if view.queued_says else ""),
-        view.state == "idle",
+        view.state == TurnState.IDLE,
         "ctx —" if fraction is None else f"ctx {fraction:4.0%}",
         bar_cells(residency),
         _last_hit(view),
@@ -137,7 +137,7 @@ class SessionRow(Static):
         if index is not None:
             self.index = index
         self.set_class(view.unread, "-unread")
-        self.set_class(view.state != "idle", "-busy")
+        self.set_class(view.state != TurnState.IDLE, "-busy")
         self._render_row()
 
     def set_residency(self, residency: Residency) -> None:
