@@ -347,7 +347,13 @@ def open_chat_backend(
             return model.name
 
     notices = tuple(
-        n for n in (context_notice(engine, options), small_cache_notice(engine)) if n is not None
+        n
+        for n in (
+            context_notice(engine, options),
+            window_notice(engine),
+            small_cache_notice(engine),
+        )
+        if n is not None
     )
     for notice in notices:
         progress(notice)
@@ -363,6 +369,19 @@ def context_notice(engine, options: RuntimeOptions) -> str | None:
     return (
         f"The context size {asked:,} ({where}) is more than the model's context; "
         f"{engine.context_length:,} tokens are used."
+    )
+
+
+def window_notice(engine) -> str | None:
+    """A model that attends within a window runs with its context capped at the window
+    (`ModelConfig.sliding_window`): said once at start, with the reason."""
+    window = getattr(engine.model.config, "sliding_window", None)
+    if window is None or engine.context_length > window:
+        return None
+    return (
+        f"This model attends to the last {window:,} tokens only (sliding-window "
+        f"attention): kvchat runs its conversations up to {window:,} tokens, where that is "
+        "the model's exact computation."
     )
 
 

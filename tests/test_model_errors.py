@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from kvchat.errors import ModelLoadError
-from kvchat.model.config import ModelConfig
 from kvchat.model.loader import load_model
 
 
@@ -58,33 +57,6 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path, tiny_llama_dir):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="Unsupported architecture 'GPT2LMHeadModel'"):
         load_model(str(folder), device="cpu")
-
-
-def test_sliding_window_attention_is_refused_with_a_clear_error(tmp_path, tiny_llama_dir):
-    """kvchat's attention has no window yet: a Qwen3 configured to use one is refused
-    before any weight is read, never run with full attention."""
-    folder = tmp_path / "windowed"
-    shutil.copytree(tiny_llama_dir, folder)
-    config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="qwen3", use_sliding_window=True, sliding_window=128)
-    (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="sliding-window attention"):
-        load_model(str(folder), device="cpu")
-
-
-def test_a_phi3_window_inside_its_context_is_refused(tmp_path, tiny_llama_dir):
-    """Phi-3 has no switch for its window: a window shorter than the context (Phi-3-mini's
-    2,047 of 4,096) is windowed attention kvchat does not run, refused; Phi-4-mini's,
-    longer than its context, is no window at all."""
-    folder = tmp_path / "phi3"
-    shutil.copytree(tiny_llama_dir, folder)
-    config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="phi3", sliding_window=config["max_position_embeddings"] // 2)
-    (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="sliding-window attention"):
-        load_model(str(folder), device="cpu")
-    config.update(sliding_window=config["max_position_embeddings"] * 2)
-    assert ModelConfig.from_dict(config).model_type == "phi3"
 
 
 def test_a_smollm3_layer_list_of_the_wrong_length_is_a_clear_error(tmp_path, tiny_llama_dir):

@@ -108,6 +108,7 @@ class Engine:
             mc.max_position_embeddings,
             self.transformer.max_positions,
             self.config.context_tokens or mc.max_position_embeddings,
+            mc.sliding_window or mc.max_position_embeddings,  # see `ModelConfig.sliding_window`
         )
         cache = build_kv_cache(
             model,

@@ -3,7 +3,8 @@
 One dataclass for the Llama family and the families that add a step to it: Llama
 2/3.x, Mistral, Qwen2/2.5 and SmolLM2 differ only in values (q/k/v bias, rope scaling,
 tied embeddings); Qwen3 adds a per-head RMSNorm of q and k before rotary (`qk_norm`);
-SmolLM3 leaves rotary out of every fourth layer (`rope_layers`); Phi-3 / Phi-4-mini fuse
+SmolLM3 leaves rotary out of every fourth layer (`rope_layers`); models that attend
+within a window (`sliding_window`) run with their context capped at it; Phi-3 / Phi-4-mini fuse
 q/k/v and gate/up in their files (split on load, `fused_weights`), rotate only part of
 each head (`partial_rotary_factor`) and scale rotary by LongRoPE's per-frequency factors;
 Qwen3-MoE replaces the feed-forward of its sparse layers by experts (`num_experts`).
@@ -63,6 +64,10 @@ class ModelConfig:
     # SmolLM3: which layers rotate q and k (the others attend without positions); None: all
     rope_layers: tuple[bool, ...] | None = None
     partial_rotary_factor: float = 1.0  # Phi-3: the share of each head that rotates
+    # Mistral 7B v0.1, Phi-3-mini, Qwen with use_sliding_window: each token attends to the
+    # last `sliding_window` tokens only. kvchat runs such a model with its context capped
+    # at the window, where windowed and full attention are the same computation.
+    sliding_window: int | None = None
     # Qwen3-MoE: experts, how many a token uses, their width, whether the chosen weights
     # are renormalized to sum to 1, and which layers are sparse (`layer_is_sparse`)
     num_experts: int = 0
@@ -107,18 +112,7 @@ class ModelConfig:
                 f"Unsupported architecture {archs[0]!r} (model_type {model_type!r}). kvchat runs "
                 f"{SUPPORTED_FAMILIES}. Pick a model of one of those with --model."
             )
-        window = raw.get("sliding_window")
-        # Phi-3 has no use_sliding_window switch: a window applies wherever it is set, and
-        # Phi-4-mini's (262,144) is beyond its context, so it never takes effect
-        windowed = raw.get("use_sliding_window") or (
-            model_type == "phi3" and window and window < raw.get("max_position_embeddings", 0)
-        )
-        if windowed and window:
-            raise ModelLoadError(
-                f"This {model_type} model uses sliding-window attention (a window of {window} "
-                "tokens), "
-                "which kvchat does not run yet; pick a model without it."
-            )
+        window = _sliding_window(raw, model_type)
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -154,6 +148,7 @@ class ModelConfig:
                 qk_norm=model_type in ("qwen3", "qwen3_moe"),
                 rope_layers=_rope_layers(raw, model_type),
                 partial_rotary_factor=float(partial),
+                sliding_window=window,
                 **_experts(raw, model_type),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
@@ -175,6 +170,20 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError) as exc:
             raise ModelLoadError(f"{path} cannot be read as JSON ({exc}).") from exc
         return cls.from_dict(raw)
+
+
+def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
+    """The attention window where it takes effect (shorter than the context), else None.
+
+    Qwen2/3 switch it on with use_sliding_window; Mistral and Phi-3 have no switch and
+    apply it wherever it is set (Phi-4-mini's, 262,144, is beyond its context)."""
+    window = raw.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    switch = raw.get("use_sliding_window") if model_type in ("qwen2", "qwen3") else True
+    if not switch or window >= int(raw.get("max_position_embeddings", 4096)):
+        return None
+    return window
 
 
 def _experts(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
