@@ -22,6 +22,8 @@ async def test_every_footer_key_fits_in_100_columns() -> None:
         await wait_until(pilot, lambda: app.current is not None, what="a session")
         keys = list(app.query_one(Footer).query(FooterKey))
         assert len(keys) >= 8
+        # the meters' key too: at this width they give their room to the transcript
+        assert "Meters" in [key.description for key in keys]
         assert all(key.region.x >= 0 and key.region.right <= SMALL[0] for key in keys), [
             (key.description, key.region) for key in keys
         ]
@@ -80,3 +82,23 @@ async def test_help_scrolls_to_its_last_line_on_a_small_screen() -> None:
         assert app.focused is scroll  # the page keys scroll it at once
         await pilot.press("end")
         await wait_until(pilot, lambda: scroll.scroll_y == scroll.max_scroll_y, what="the end")
+
+
+async def test_the_first_run_hint_wraps_and_the_legend_fits_the_sidebar() -> None:
+    """At 100 columns the transcript is narrower than the hint a first start shows: it
+    wraps instead of losing its end; the sidebar's legend fits its border whole."""
+    from textual.widgets import Label
+
+    from kvchat.tui.sidebar import LEGEND
+
+    app, _ = fake_app()
+    async with app.run_test(size=SMALL) as pilot:
+        await ready(pilot, app)
+        hints = [w for w in app.transcript.query(Label) if w.has_class("empty")]
+        assert hints
+        for hint in hints:
+            assert hint.region.right <= app.transcript.region.right
+            text = str(hint.render())
+            assert hint.region.width * hint.region.height >= len(text), (text, hint.region)
+        # "╰─ " + legend + " ─╯" within the sidebar's width
+        assert len(LEGEND) + 6 <= app.sidebar.region.width

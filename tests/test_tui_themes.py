@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from kvchat.chat.settings import Settings, load_settings
 from kvchat.paths import app_paths
 from kvchat.testing.tui import fake_app, ready, wait_until
@@ -102,3 +104,14 @@ async def test_the_panels_are_drawn_with_the_themes_panel_border():
         expected = Color.parse(panel_border(app.get_css_variables()))
         for panel in (app.sidebar, app.transcript, app.meters):
             assert panel.styles.border_top[1] == expected
+
+
+async def test_a_theme_not_installed_names_where_it_was_set_and_the_themes_there_are():
+    settings = Settings(theme="light", sources=MappingProxyType({"theme": "settings.toml, line 3"}))
+    app, _ = fake_app(settings=settings)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot, app)
+        (said,) = [n.message for n in app._notifications if "'light'" in n.message]
+        assert "(settings.toml, line 3) is not installed; using kvchat-dark." in said
+        for name in ("kvchat-dark", "kvchat-light", "kvchat-high-contrast"):
+            assert name in said

@@ -234,9 +234,11 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
         self.problems += [f"Theme not loaded: {p}" for p in loaded.problems]
         wanted = self.settings.theme or DEFAULT_THEME
         if wanted not in self.available_themes:
+            where = self.settings.sources.get("theme", "the settings file")
+            kvchat_themes = ", ".join(t.name for t in loaded.themes)
             self.problems.append(
-                f"Theme {wanted!r} (from the settings file) is not installed; "
-                f"using {DEFAULT_THEME}."
+                f"Theme {wanted!r} ({where}) is not installed; using {DEFAULT_THEME}. "
+                f"kvchat's themes: {kvchat_themes} (ctrl+p lists Textual's too)."
             )
             wanted = DEFAULT_THEME
         if wanted in self.available_themes:

@@ -33,7 +33,7 @@ APP_KEYS: tuple[KeySpec, ...] = (
     KeySpec("next_session", "ctrl+pagedown,alt+down", "next_session", "Next", show=True),
     *(KeySpec(f"jump_{n}", f"alt+{n}", f"jump({n})", f"Session {n}") for n in range(1, 10)),
     KeySpec("stop", "escape", "stop", "Stop", show=True),
-    KeySpec("regenerate", "ctrl+r", "regenerate", "Regenerate", show=True),
+    KeySpec("regenerate", "ctrl+r", "regenerate", "Retry", show=True),  # writes the reply again
     KeySpec("edit_resend", "f3", "edit_resend", "Edit last"),
     KeySpec("rename", "f2", "rename", "Rename"),
     KeySpec("archive", "f6", "archive", "Archive"),
@@ -41,13 +41,13 @@ APP_KEYS: tuple[KeySpec, ...] = (
     KeySpec("undo", "f9", "undo", "Undo"),
     KeySpec("copy_reply", "f4", "copy_reply", "Copy reply"),
     KeySpec("attach", "ctrl+o", "attach", "Attach", show=True),
-    KeySpec("toggle_meters", "f7", "toggle_meters", "Meters"),
+    KeySpec("toggle_meters", "f7", "toggle_meters", "Meters", show=True),
     # the transcript scrolls from wherever the focus is (the composer, mostly)
     KeySpec("scroll_up", "pageup", "scroll_transcript(-1)", "Scroll up"),
     KeySpec("scroll_down", "pagedown", "scroll_transcript(1)", "Scroll down"),
     KeySpec("scroll_top", "ctrl+home", "scroll_transcript_to(0)", "Transcript top"),
     KeySpec("scroll_bottom", "ctrl+end", "scroll_transcript_to(1)", "Transcript end"),
-    KeySpec("command_palette", "ctrl+p", "command_palette", "Commands", show=True),
+    KeySpec("command_palette", "ctrl+p", "command_palette", "Palette", show=True),
     KeySpec("help", "f1", "help", "Help", show=True),
     KeySpec("quit", "ctrl+q", "quit", "Quit", show=True),
 )

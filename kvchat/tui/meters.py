@@ -33,9 +33,10 @@ turn before that reply, which gets its own once it ends.
   Pages         each tier's pages: ■ active (held by a running reply), □ cached (kept
                 for reuse), · free; the figures below the bar are active/cached/free;
                 "off" when the tier is turned off
-  Evictions     pages pushed out since start: to host (device to host tier), dropped
-                (gone from every tier: computed again if needed); then the rate per
-                second now, and its recent history as a sparkline
+  Evictions     pages pushed out since start: to host (device to host tier), to disk
+                (to the disk tier), dropped (gone from every tier: computed again if
+                needed); then the rate per second now, and its recent history as a
+                sparkline
   TTFT          time to the first token of the shown session's last turn
   Decode tok/s  this reply: the shown session's reply as it streams (or "last turn":
                 its last turn's rate); all: tokens a second of every session together,

@@ -30,7 +30,7 @@ from kvchat.tui.repaint import update_static
 
 BAR_WIDTH = 16
 # Under the list (the sidebar's border subtitle); the help screen explains it in full.
-LEGEND = "█ device ▓ host ▒ disk ░ none"
+LEGEND = "█device ▓host ▒disk ░none"  # fits the border of a 32-column sidebar
 # with a remote server no residency is known: each row shows the last turn's hit rate
 REMOTE_LEGEND = "last hit: the server's cache"
 HELP = """Sidebar, one row a session:
