@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     chat = sub.add_parser("chat", help="open the terminal UI (the default)")
     _add_model_options(chat)
+    chat.add_argument(
+        "--theme",
+        help="colour theme for this run: kvchat-dark, kvchat-light, kvchat-high-contrast or "
+        "one of your own (the settings file's `theme` otherwise; choosing one in the "
+        "palette saves it there)",
+    )
     ask = sub.add_parser("ask", help="answer one question, streamed to stdout")
     ask.add_argument("question")
     ask.add_argument("--system", help="system prompt")

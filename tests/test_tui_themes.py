@@ -115,3 +115,14 @@ async def test_a_theme_not_installed_names_where_it_was_set_and_the_themes_there
         assert "(settings.toml, line 3) is not installed; using kvchat-dark." in said
         for name in ("kvchat-dark", "kvchat-light", "kvchat-high-contrast"):
             assert name in said
+
+
+def test_the_theme_flag_wins_over_the_settings_file_for_one_run():
+    from kvchat.cli import build_parser
+    from kvchat.tui.main import with_theme_flag
+
+    settings = Settings(theme="kvchat-dark")
+    args = build_parser().parse_args(["chat", "--theme", "kvchat-light"])
+    chosen = with_theme_flag(settings, args)
+    assert (chosen.theme, chosen.sources["theme"]) == ("kvchat-light", "--theme")
+    assert with_theme_flag(settings, build_parser().parse_args(["chat"])) == settings

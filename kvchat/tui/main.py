@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from dataclasses import replace
+from types import MappingProxyType
 from typing import TextIO
 
 from kvchat.chat.error_log import configure_error_log
@@ -55,6 +57,15 @@ def require_terminal(
             )
 
 
+def with_theme_flag(settings: Settings, args: argparse.Namespace) -> Settings:
+    """`--theme` over the settings file's theme, for this run (the file is not changed)."""
+    theme = getattr(args, "theme", None)
+    if not theme:
+        return settings
+    sources = MappingProxyType({**settings.sources, "theme": "--theme"})
+    return replace(settings, theme=theme, sources=sources)
+
+
 def run_tui(args: argparse.Namespace) -> int:
     """Open the TUI; returns the exit status (1 when kvchat could not start, or when
     messages could not be saved: the path of the file that holds them is printed;
@@ -62,6 +73,7 @@ def run_tui(args: argparse.Namespace) -> int:
     require_terminal()
     configure_error_log()
     settings, problem = read_settings_for_tui()
+    settings = with_theme_flag(settings, args)
     resolve_options(args, settings)  # a bad flag is refused here, before the screen opens
     factory = functools.partial(start_real_backend, args, settings)
     app = KvchatApp(factory, settings=settings, settings_problem=problem)
