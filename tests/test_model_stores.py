@@ -171,10 +171,13 @@ def test_the_models_command_lists_every_store_and_says_why_one_does_not_run(stor
     assert "not-a-llama" not in done.stdout  # model_dirs not set yet
     settings.parent.mkdir(parents=True, exist_ok=True)
     settings.write_text(f'model_dirs = ["{stores["folder"]}"]\n')
+    (stores["folder"] / "broken.gguf").write_bytes(b"not a model")  # listed, not a traceback
     done = kvchat("models", home=home)
+    assert done.returncode == 0 and "Traceback" not in done.stderr
     row = next(line.split() for line in done.stdout.splitlines() if line.startswith("not-a-llama "))
     assert row[1] == "folder" and row[-1] == "no"
     assert "not-a-llama: Unsupported architecture" in done.stdout
+    assert "broken: " in done.stdout and "is not a GGUF file" in done.stdout
 
 
 def test_a_model_named_from_ollamas_store_runs_without_writing_there(stores, tmp_path):
