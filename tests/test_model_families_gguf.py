@@ -133,3 +133,49 @@ def test_a_4_bit_gguf_keeps_its_layers_4_bit_and_gives_the_f32_files_logits(
         kvchat_logits(dense, ids.tolist(), paged=True),
     )
     assert error < 1e-4, error
+
+
+def test_llama_server_writes_the_same_greedy_tokens_from_the_same_file(family_folder, tmp_path):
+    """llama.cpp's own engine on the converter's file: its greedy continuation of a
+    prompt of ids is kvchat's (a 256-token context, so Phi-3 runs LongRoPE's short set
+    in both)."""
+    import json
+    import urllib.request
+
+    from tests.engine_helpers import generate
+    from tests.servers import Unavailable, start_llama_server
+
+    family, folder = family_folder
+    if family == "phi3":
+        pytest.skip(
+            "llama.cpp's phi3 loader looks up Phi's own special tokens, which the default "
+            "model's tokenizer these files carry lacks (it refuses the file)"
+        )
+    try:
+        gguf = convert(folder, tmp_path / f"{family}-f32.gguf", "f32")
+    except ConverterUnavailable as exc:
+        pytest.skip(f"llama.cpp's converter could not be fetched: {exc}")
+    try:
+        server = start_llama_server(gguf, slots=1, ctx=PHI3_ORIGINAL_CONTEXT)
+    except Unavailable as exc:
+        pytest.skip(f"llama-server cannot be built or started here: {exc}")
+    ids = torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    try:
+        body = {
+            "prompt": ids, "n_predict": 12, "temperature": 0, "top_k": 1, "ignore_eos": True,
+            "cache_prompt": False, "return_tokens": True,
+        }  # fmt: skip
+        request = urllib.request.Request(
+            server.root + "/completion",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            theirs = json.load(response)["tokens"]
+    finally:
+        server.stop()
+    model = load_model(str(gguf), dtype="float32", device="cpu")
+    ours = generate(
+        model, ids, max_tokens=12, ignore_eos=True, context_tokens=PHI3_ORIGINAL_CONTEXT
+    )
+    assert ours == theirs
