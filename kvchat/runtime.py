@@ -426,3 +426,39 @@ def describe_cache(engine) -> str:
         f"{engine.context_length:,} tokens; attention: "
         f"{describe_attention(engine.attention_kind, engine.transformer.device)}"
     )
+
+
+@dataclass(frozen=True)
+class ModelChoiceFacts:
+    """A known model as the TUI's picker shows it (plain values: the TUI imports no
+    model code)."""
+
+    name: str
+    source: str
+    detail: str
+    current: bool
+    reason: str | None
+
+
+def model_choices(current: str | None, model_dirs: tuple[str, ...]) -> list[ModelChoiceFacts]:
+    """Every model on this machine kvchat can name, with its facts, the running one
+    (`current`, as `--model` gave it) marked."""
+    from kvchat.model.model_stores import describe
+    from kvchat.model.registry import known_models, resolve_model
+
+    try:
+        running = resolve_model(current, lambda _line: None, model_dirs=model_dirs).resolve()
+    except KvchatError:
+        running = None
+    out = []
+    for m in known_models(model_dirs):
+        if not m.available:
+            continue
+        facts = describe(m.path)
+        size = format_size(facts.size) if facts.size else "?"
+        detail = ", ".join(
+            x for x in (facts.format, size, facts.quantization, facts.architecture) if x
+        )
+        here = running is not None and m.path.resolve() == running
+        out.append(ModelChoiceFacts(m.name, m.kind, detail, here, facts.reason))
+    return out

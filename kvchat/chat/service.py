@@ -202,6 +202,46 @@ class SessionService:
         for session in number_loaded(self._sessions.values()):
             self._persist(session)
 
+    def replace_backend(
+        self,
+        engine: TurnPort | EnginePort,
+        renderer: RendererPort,
+        *,
+        stop_token_ids: Iterable[int] = (),
+        default_sampling: SamplingParams | None = None,
+        default_max_tokens: int | None = None,
+    ) -> None:
+        """Run every later turn on another engine (another model), without a restart.
+
+        Refused while a reply is under way (it belongs to the old engine). Drafts end;
+        sessions computed with another model get the notice and their history rendered
+        again at their next turn, as at a start with another model. The caller closes
+        the old engine afterwards."""
+        with self._lock:
+            busy = [rt for rt in self._runtime.values() if rt.busy]
+            if busy:
+                raise KvchatError(
+                    f"{len(busy)} session(s) still have a reply on the way: let them finish "
+                    "(or stop them with esc) before switching models."
+                )
+            events: list[ChatEvent] = []
+            for session_id in self._runtime:
+                events += self._end_draft(session_id)
+            self._engine = turn_port(engine)
+            self._renderer = renderer
+            self._stop_ids = frozenset(stop_token_ids)
+            if default_sampling is not None:
+                self._default_sampling = default_sampling
+            if default_max_tokens is not None:
+                self._default_max_tokens = default_max_tokens
+            fingerprint = self._engine.model_fingerprint
+            for session in self._sessions.values():
+                if session.messages and session.model_fingerprint != fingerprint:
+                    session.ids_stale = True
+                    self._runtime[session.id].notice = MODEL_CHANGED_NOTICE
+                events.append(SessionChanged(session.id))
+        self._publish(events)
+
     def close(self, timeout: float | None = 10.0) -> UnsavedReport | None:
         """Cancel live replies, write what is pending, stop the worker, close the store.
 

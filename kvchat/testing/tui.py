@@ -17,7 +17,7 @@ from kvchat.chat.store import Store
 from kvchat.engine.api import SamplingParams
 from kvchat.testing.fake_engine import FakeEngine, fake_backend
 from kvchat.tui.app import KvchatApp
-from kvchat.tui.backend import TuiBackend
+from kvchat.tui.backend import ModelChoice, TuiBackend
 
 
 async def wait_until(
@@ -39,6 +39,8 @@ def fake_app(
     describe: Callable[[], str] | None = None,
     loaded: threading.Event | None = None,
     notices: tuple[str, ...] = (),
+    models: Callable[[], tuple[ModelChoice, ...]] = tuple,
+    switch: Callable[[str, Callable[[str], None]], TuiBackend] | None = None,
     **engine_kwargs: object,
 ) -> tuple[KvchatApp, FakeEngine]:
     """A `KvchatApp` over a `FakeEngine` (returned for `advance()` in manual mode).
@@ -56,6 +58,8 @@ def fake_app(
         describe=describe,
         close=engine.close,
         notices=notices,
+        models=models,
+        switch=switch,
     )
 
     def load(progress: Callable[[str], None]) -> TuiBackend:

@@ -103,12 +103,15 @@ from kvchat.tui.keys import (
 )
 from kvchat.tui.messages import (
     BackendReady,
+    BackendSwitched,
+    ModelsListed,
     SendFailed,
     ServiceEvent,
     StartFailed,
     StartProgress,
 )
 from kvchat.tui.meters import Meters
+from kvchat.tui.model_picker import ModelPicker
 from kvchat.tui.refresh_pump import FLUSH_HZ, RefreshPump
 from kvchat.tui.save_banner import SaveBanner
 from kvchat.tui.screens import (
@@ -725,6 +728,83 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
         self.composer.load_message(users[-1].content)
         self.composer.set_editing(True)
         self.composer.focus()
+
+    # ---------------------------------------------------------------- models
+
+    @guarded
+    def action_switch_model(self) -> None:
+        """f5: the models on this machine; the one chosen serves every later turn."""
+        if self.backend is None or self.service is None:
+            return
+        if self.backend.switch is None:
+            self.notify(
+                "This engine serves its own model (a remote server): restart kvchat with "
+                "--model to run another.",
+                severity="warning",
+            )
+            return
+        self._list_models(self.backend)
+
+    @work(thread=True, exit_on_error=False, group="models")
+    def _list_models(self, backend: TuiBackend) -> None:
+        try:
+            choices = backend.models()
+        except Exception as exc:
+            log_failure(exc, "listing the models")
+            self.call_from_thread(notify_failure, self, exc)
+            return
+        self.post_message(ModelsListed(choices))
+
+    def on_models_listed(self, message: ModelsListed) -> None:
+        if not message.choices:
+            self.notify("No models found on this machine besides the one running.")
+            return
+        self.push_screen(ModelPicker(message.choices), self._model_chosen)
+
+    def _model_chosen(self, name: str | None) -> None:
+        if name is None or self.backend is None or self.service is None:
+            return
+        busy = [v for v in self.views.values() if v.state != TurnState.IDLE]
+        if busy:
+            self.notify(
+                "A reply is on the way: let it finish (or stop it with esc), then switch.",
+                severity="warning",
+            )
+            return
+        self.notify(f"Loading {name}… (the current model serves until it is ready)")
+        self._switch_model(self.backend, self.service, name)
+
+    @work(thread=True, exit_on_error=False, group="switch-model", exclusive=True)
+    def _switch_model(self, old: TuiBackend, service: SessionService, name: str) -> None:
+        """Thread worker: load `name`'s backend beside the running one, hand the sessions
+        to it, then close the old one (a failure leaves the old one serving)."""
+        assert old.switch is not None
+        new: TuiBackend | None = None
+        try:
+            new = old.switch(name, lambda _line: None)
+            chat = new.chat
+            service.replace_backend(
+                chat.engine,
+                chat.renderer,
+                stop_token_ids=chat.stop_token_ids,
+                default_sampling=new.default_sampling,
+                default_max_tokens=new.default_max_tokens,
+            )
+        except Exception as exc:
+            self._close_backend(new)
+            if not isinstance(exc, KvchatError):
+                log_failure(exc, "switching the model")
+            self.call_from_thread(
+                self.notify, f"Could not switch to {name}: {exc}", severity="error", timeout=15
+            )
+            return
+        self._close_backend(old)
+        self.post_message(BackendSwitched(new, name))
+
+    def on_backend_switched(self, message: BackendSwitched) -> None:
+        self.backend = message.backend
+        self.meters.set_cache_note(message.backend.description)
+        self.notify(f"Now running {message.name}: every new turn uses it.")
 
     @guarded
     def action_rename(self) -> None:

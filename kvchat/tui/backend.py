@@ -21,6 +21,18 @@ Progress = Callable[[str], None]
 
 
 @dataclass(frozen=True)
+class ModelChoice:
+    """A model the picker offers: its name (what `--model` takes), where it was found,
+    a line of facts, whether it is the one running, and why kvchat cannot run it."""
+
+    name: str
+    source: str
+    detail: str
+    current: bool = False
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
 class TuiBackend:
     chat: ChatBackend
     default_sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -30,6 +42,10 @@ class TuiBackend:
     describe: Callable[[], str] | None = None
     close: Callable[[], None] = lambda: None  # stops the engine
     notices: tuple[str, ...] = ()  # shown as warnings once kvchat is ready
+    # the models the picker offers, and a backend for another of them (None: this
+    # backend cannot switch, e.g. a remote server)
+    models: Callable[[], tuple[ModelChoice, ...]] = tuple
+    switch: Callable[[str, Progress], TuiBackend] | None = None
 
 
 BackendFactory = Callable[[Progress], TuiBackend]
@@ -50,6 +66,20 @@ def start_real_backend(
     if remote is not None:
         progress(f"Connecting to {remote.url} ...")
     backend = open_chat_backend(options, settings, progress, greedy=False, remote=remote)
+
+    def models() -> tuple[ModelChoice, ...]:
+        from kvchat.runtime import model_choices
+
+        return tuple(
+            ModelChoice(c.name, c.source, c.detail, c.current, c.reason)
+            for c in model_choices(options.model, settings.model_dirs)
+        )
+
+    def switch(name: str, progress: Progress) -> TuiBackend:
+        return start_real_backend(
+            argparse.Namespace(**{**vars(args), "model": name}), settings, progress
+        )
+
     return TuiBackend(
         chat=backend.chat,
         default_sampling=backend.sampling,
@@ -58,4 +88,6 @@ def start_real_backend(
         describe=backend.describe,
         close=backend.close,
         notices=backend.notices,
+        models=models,
+        switch=None if remote is not None else switch,
     )

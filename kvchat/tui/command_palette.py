@@ -44,6 +44,7 @@ class CommandPalette:
                 self.action_toggle_archived,
             ),
             ("Theme", "change the colors (remembered)", self.action_theme),
+            ("Switch model", "run another model on this machine (f5)", self.action_switch_model),
             ("Help", "keys and where kvchat keeps its files", self.action_help),
             ("Quit", "quit kvchat", self.action_quit),
         ]

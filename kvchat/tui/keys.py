@@ -42,6 +42,7 @@ APP_KEYS: tuple[KeySpec, ...] = (
     KeySpec("copy_reply", "f4", "copy_reply", "Copy reply"),
     KeySpec("attach", "ctrl+o", "attach", "Attach", show=True),
     KeySpec("toggle_meters", "f7", "toggle_meters", "Meters", show=True),
+    KeySpec("switch_model", "f5", "switch_model", "Model"),
     # the transcript scrolls from wherever the focus is (the composer, mostly)
     KeySpec("scroll_up", "pageup", "scroll_transcript(-1)", "Scroll up"),
     KeySpec("scroll_down", "pagedown", "scroll_transcript(1)", "Scroll down"),

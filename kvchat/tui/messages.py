@@ -11,7 +11,7 @@ from textual.message import Message
 from kvchat.chat.events import ChatEvent
 from kvchat.chat.service import SessionService
 from kvchat.engine.api import Residency
-from kvchat.tui.backend import TuiBackend
+from kvchat.tui.backend import ModelChoice, TuiBackend
 
 
 class ServiceEvent(Message):
@@ -57,3 +57,20 @@ class SendFailed(Message):
         self.text = text
         self.editing = editing
         self.error = error
+
+
+class ModelsListed(Message):
+    """The models the picker offers, listed off the UI thread (it reads their files)."""
+
+    def __init__(self, choices: tuple[ModelChoice, ...]) -> None:
+        super().__init__()
+        self.choices = choices
+
+
+class BackendSwitched(Message):
+    """Another model's backend now serves the sessions; `name` is the one chosen."""
+
+    def __init__(self, backend: TuiBackend, name: str) -> None:
+        super().__init__()
+        self.backend = backend
+        self.name = name
