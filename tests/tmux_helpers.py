@@ -23,7 +23,9 @@ START_TIMEOUT = 90.0
 class Terminal:
     """One tmux session running kvchat; the shell prints KVCHAT-EXITED-<status> when it ends."""
 
-    def __init__(self, home: Path, model: Path, *extra: str) -> None:
+    def __init__(
+        self, home: Path, model: Path, *extra: str, env: dict[str, str] | None = None
+    ) -> None:
         self.name = f"kvchat-test-{uuid.uuid4().hex[:8]}"
         args = [
             sys.executable, "-m", "kvchat", "chat", "--model", str(model), "--dtype", "float32",
@@ -33,7 +35,9 @@ class Terminal:
         command = (
             # pytest's COLUMNS/LINES would override the pane's size for Textual
             f"cd {shlex.quote(str(REPO))} && env -u COLUMNS -u LINES TERM=xterm-256color "
-            f"KVCHAT_HOME={shlex.quote(str(home))} {shlex.join(args)}; "
+            f"KVCHAT_HOME={shlex.quote(str(home))} "
+            + "".join(f"{k}={shlex.quote(v)} " for k, v in (env or {}).items())
+            + f"{shlex.join(args)}; "
             "echo KVCHAT-EXITED-$?; sleep 600"
         )
         subprocess.run(
@@ -91,8 +95,10 @@ class Terminal:
 def terminals():
     opened: list[Terminal] = []
 
-    def open_terminal(home: Path, model: Path, *extra: str) -> Terminal:
-        terminal = Terminal(home, model, *extra)
+    def open_terminal(
+        home: Path, model: Path, *extra: str, env: dict[str, str] | None = None
+    ) -> Terminal:
+        terminal = Terminal(home, model, *extra, env=env)
         opened.append(terminal)
         return terminal
 
