@@ -62,6 +62,16 @@ def kvchat(*args: str, home: Path, endpoint: str) -> subprocess.CompletedProcess
     )  # fmt: skip
 
 
+def answers(*, home: Path, endpoint: str, model: str) -> None:
+    """`kvchat ask` runs the model by the name pull gave it."""
+    asked = kvchat(
+        "ask", "hi", "--model", model, "--dtype", "float32", "--max-tokens", "2",
+        "--device-cache", "16MiB", "--host-cache", "0", "--disk-cache", "0",
+        home=home, endpoint=endpoint,
+    )  # fmt: skip
+    assert asked.returncode == 0, asked.stderr
+
+
 def test_a_gguf_repository_gives_the_file_asked_for_and_models_lists_it(hub, tmp_path):
     done = kvchat("pull", "tiny-org/tiny-GGUF:q4_1", home=tmp_path, endpoint=hub.url)
     assert done.returncode == 0, done.stderr
@@ -71,12 +81,7 @@ def test_a_gguf_repository_gives_the_file_asked_for_and_models_lists_it(hub, tmp
     assert hub.hub.downloads == ["tiny-org/tiny-GGUF/tiny-Q4_1.gguf"]  # that file only
     listed = kvchat("models", home=tmp_path, endpoint=hub.url).stdout
     assert any(line.startswith("tiny-org/tiny-GGUF ") for line in listed.splitlines())
-    asked = kvchat(
-        "ask", "hi", "--model", "tiny-org/tiny-GGUF", "--dtype", "float32", "--max-tokens", "2",
-        "--device-cache", "16MiB", "--host-cache", "0", "--disk-cache", "0",
-        home=tmp_path, endpoint=hub.url,
-    )  # fmt: skip
-    assert asked.returncode == 0, asked.stderr
+    answers(home=tmp_path, endpoint=hub.url, model="tiny-org/tiny-GGUF")
 
 
 def test_without_a_quant_q4_k_m_is_chosen_and_a_lone_file_needs_none(hub, tmp_path):
@@ -99,12 +104,7 @@ def test_a_model_folder_comes_whole_and_runs(hub, tmp_path):
     folder = Path(done.stdout.splitlines()[0])
     assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
     assert not (folder / "README.md").exists()  # what a model folder needs, no more
-    asked = kvchat(
-        "ask", "hi", "--model", "tiny-org/tiny-llama", "--dtype", "float32", "--max-tokens", "2",
-        "--device-cache", "16MiB", "--host-cache", "0", "--disk-cache", "0",
-        home=tmp_path, endpoint=hub.url,
-    )  # fmt: skip
-    assert asked.returncode == 0, asked.stderr
+    answers(home=tmp_path, endpoint=hub.url, model="tiny-org/tiny-llama")
 
 
 @pytest.mark.parametrize(
