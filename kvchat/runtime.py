@@ -462,3 +462,25 @@ def model_choices(current: str | None, model_dirs: tuple[str, ...]) -> list[Mode
         here = running is not None and m.path.resolve() == running
         out.append(ModelChoiceFacts(m.name, m.kind, detail, here, facts.reason))
     return out
+
+
+def model_spec_name(spec: str | None) -> str:
+    """The model as a session remembers it: what --model took (the default's name for
+    none), so it can be looked up again (`model_available`)."""
+    from kvchat.model.default_model import DEFAULT_MODEL_NAME
+
+    return spec or DEFAULT_MODEL_NAME
+
+
+def model_available(spec: str, model_dirs: tuple[str, ...]) -> bool:
+    """Whether `--model SPEC` names a model on this machine now (nothing is fetched)."""
+    from kvchat.model.default_model import default_gguf_path
+    from kvchat.model.registry import DEFAULT_ALIASES, resolve_model
+
+    if spec.lower() in DEFAULT_ALIASES:
+        return default_gguf_path().exists()
+    try:
+        resolve_model(spec, lambda _line: None, model_dirs=model_dirs)
+    except KvchatError:
+        return False
+    return True

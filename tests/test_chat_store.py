@@ -140,3 +140,29 @@ def test_a_file_that_is_not_a_database_gives_a_message(tmp_path) -> None:
     path.write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(KvchatError, match="Move the file away"):
         Store(path)
+
+
+def test_a_database_of_the_schema_before_gets_the_model_name_column(tmp_path) -> None:
+    """A session stored before sessions kept their model's name loads with none."""
+    import sqlite3
+
+    from kvchat.chat import store as store_module
+
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path)
+    for step in store_module._MIGRATIONS[: SCHEMA_VERSION - 1]:
+        db.executescript(step)
+    db.execute(
+        "INSERT INTO sessions (id, title, created, updated, model_fingerprint) "
+        "VALUES ('s1', 'old one', 1.0, 1.0, 'fp')"
+    )
+    db.execute(f"PRAGMA user_version = {SCHEMA_VERSION - 1}")
+    db.commit()
+    db.close()
+    store = Store(path)
+    try:
+        assert store.schema_version() == SCHEMA_VERSION
+        ((record, _),) = store.load()
+        assert (record.title, record.model_name) == ("old one", "")
+    finally:
+        store.close()

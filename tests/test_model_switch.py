@@ -133,3 +133,56 @@ def test_the_real_backend_lists_the_machines_models_and_loads_another(
         first.close()
         if second is not None:
             second.close()
+
+
+def test_a_session_remembers_its_models_name_across_restarts(tmp_path):
+    path = tmp_path / "sessions.db"
+    renderer = CharRenderer()
+    service = SessionService(
+        FakeEngine(fingerprint="fp-a"), renderer, Store(path),
+        stop_token_ids=renderer.stop_token_ids, model_name="model-a",
+    )  # fmt: skip
+    sid = service.create_session()
+    service.say(sid, "hello")
+    assert service.wait_idle(sid, timeout=10)
+    assert service.session(sid).model_name == "model-a"
+    service.replace_backend(FakeEngine(fingerprint="fp-b"), renderer, model_name="model-b")
+    assert service.session(sid).model_name == "model-a"  # until a turn runs on model-b
+    service.close()
+    reopened = SessionService(FakeEngine(fingerprint="fp-b"), renderer, Store(path))
+    try:
+        assert reopened.session(sid).model_name == "model-a"
+    finally:
+        reopened.close()
+
+
+@pytest.mark.parametrize(
+    ("here", "says"),
+    [(True, "written with model-a; model-b runs now (f5 switches)"),
+     (False, "written with model-a, which is no longer on this machine")],
+)  # fmt: skip
+async def test_opening_a_session_of_another_model_says_whose_it_is(tmp_path, here, says):
+    from kvchat.testing.tui import fake_app, ready, wait_until
+
+    path = tmp_path / "sessions.db"
+    renderer = CharRenderer()
+    writer = SessionService(
+        FakeEngine(fingerprint="fp-a"), renderer, Store(path),
+        stop_token_ids=renderer.stop_token_ids, model_name="model-a",
+    )  # fmt: skip
+    sid = writer.create_session()
+    writer.say(sid, "hello")
+    assert writer.wait_idle(sid, timeout=10)
+    writer.close()
+    app, _ = fake_app(
+        store=Store(path), fingerprint="fp-b", model_name="model-b", has_model=lambda _n: here
+    )
+    async with app.run_test(size=(150, 45), notifications=True) as pilot:
+        await ready(pilot, app)
+        if app.current != sid:
+            await app.switch_to(sid)
+        await wait_until(
+            pilot,
+            lambda: any(says in n.message for n in app._notifications),
+            what="whose model the session was written with",
+        )

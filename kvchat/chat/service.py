@@ -158,8 +158,10 @@ class SessionService:
         default_max_tokens: int = 512,
         save_interval_s: float = 0.25,
         save_every_tokens: int = 16,
+        model_name: str = "",
     ) -> None:
         self._engine = turn_port(engine)
+        self._model_name = model_name  # as it was asked for (--model); "": not known
         self._renderer = renderer
         self._store = store
         self._stop_ids = frozenset(stop_token_ids)
@@ -210,6 +212,7 @@ class SessionService:
         stop_token_ids: Iterable[int] = (),
         default_sampling: SamplingParams | None = None,
         default_max_tokens: int | None = None,
+        model_name: str = "",
     ) -> None:
         """Run every later turn on another engine (another model), without a restart.
 
@@ -228,6 +231,7 @@ class SessionService:
             for session_id in self._runtime:
                 events += self._end_draft(session_id)
             self._engine = turn_port(engine)
+            self._model_name = model_name
             self._renderer = renderer
             self._stop_ids = frozenset(stop_token_ids)
             if default_sampling is not None:
@@ -455,6 +459,7 @@ class SessionService:
             updated=s.updated,
             number=s.number,
             unsent=s.unsent,
+            model_name=s.model_name,
         )
 
     # ------------------------------------------------------------ persistence
@@ -748,6 +753,7 @@ class SessionService:
                 created=now,
                 updated=now,
                 model_fingerprint=source.model_fingerprint,
+                model_name=source.model_name,
                 sampling=source.sampling,
                 max_tokens=source.max_tokens,
                 messages=[replace(m, id=uuid.uuid4().hex) for m in source.messages[:at_message]],
@@ -891,6 +897,8 @@ class SessionService:
         assistant.offset = len(session.ids)
         session.messages.append(assistant)
         session.model_fingerprint = self._engine.model_fingerprint
+        if self._model_name:
+            session.model_name = self._model_name
         rt.message, rt.generated, rt.unsaved_tokens = assistant, [], 0
         rt.turn = session.turn_count()
         rt.state = TurnState.QUEUED

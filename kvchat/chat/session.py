@@ -138,6 +138,7 @@ class Session:
     ids_stale: bool = False  # True: render from messages at the next turn (other model, edit)
     number: int = 0  # its place in the list (alt+N), kept for its life (`session_numbers`)
     unsent: str = ""  # the composer's text for this session, typed and not sent
+    model_name: str = ""  # the model its last turn ran on, as it was asked for ("": unknown)
 
     @property
     def system_prompt(self) -> str | None:
@@ -186,6 +187,7 @@ class SessionView:
     updated: float
     number: int  # its place in the list, from 1 (alt+N): never changes while it is listed
     unsent: str  # what was typed for it and not sent (its composer's text)
+    model_name: str = ""  # the model its last turn ran on ("": unknown)
 
     @property
     def context_fraction(self) -> float | None:

@@ -40,6 +40,7 @@ def session_from_records(record: SessionRecord, messages: Sequence[MessageRecord
         ids_stale=record.ids_stale,
         number=record.number,
         unsent=record.unsent,
+        model_name=record.model_name,
     )
     for m in messages:
         session.messages.append(
@@ -76,6 +77,7 @@ def session_record(session: Session, extra_ids: Iterable[int] = ()) -> SessionRe
         max_tokens=session.max_tokens,
         number=session.number,
         unsent=session.unsent,
+        model_name=session.model_name,
     )
 
 

@@ -80,6 +80,10 @@ _MIGRATIONS: list[str] = [
     """
     ALTER TABLE sessions ADD COLUMN unsent TEXT NOT NULL DEFAULT '';
     """,
+    # the name of the model its last turn ran on (what --model took), for "it is gone"
+    """
+    ALTER TABLE sessions ADD COLUMN model_name TEXT NOT NULL DEFAULT '';
+    """,
 ]
 
 SCHEMA_VERSION = len(_MIGRATIONS)
@@ -102,6 +106,7 @@ class SessionRecord:
     revision: int = 0  # bumped by every save; ignored when writing
     number: int = 0  # its place in the list, for alt+N (0: none given yet)
     unsent: str = ""  # the composer's text not sent yet
+    model_name: str = ""  # the model its last turn ran on ("": none yet, or before names)
 
     def ids(self) -> array:
         out = array("I")
@@ -237,8 +242,8 @@ class Store:
             db.execute(
                 """INSERT INTO sessions (id, title, created, updated, archived, deleted_at,
                        model_fingerprint, token_ids, ids_byteorder, ids_stale, sampling, max_tokens,
-                       revision, number, unsent)
-                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                       revision, number, unsent, model_name)
+                   VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
                    ON CONFLICT(id) DO UPDATE SET title = excluded.title,
                        updated = excluded.updated, archived = excluded.archived,
                        deleted_at = excluded.deleted_at,
@@ -246,7 +251,8 @@ class Store:
                        token_ids = excluded.token_ids, ids_byteorder = excluded.ids_byteorder,
                        ids_stale = excluded.ids_stale, sampling = excluded.sampling,
                        max_tokens = excluded.max_tokens, revision = excluded.revision,
-                       number = excluded.number, unsent = excluded.unsent""",
+                       number = excluded.number, unsent = excluded.unsent,
+                       model_name = excluded.model_name""",
                 (
                     session.id,
                     session.title,
@@ -263,6 +269,7 @@ class Store:
                     revision,
                     session.number,
                     session.unsent,
+                    session.model_name,
                 ),
             )
             if removed:
@@ -331,7 +338,7 @@ class Store:
             sessions = self._db.execute(
                 """SELECT id, title, created, updated, archived, deleted_at, model_fingerprint,
                           token_ids, ids_byteorder, ids_stale, sampling, max_tokens, revision,
-                          number, unsent
+                          number, unsent, model_name
                    FROM sessions ORDER BY created"""
             ).fetchall()
             out = []
@@ -357,6 +364,7 @@ class Store:
                     revision=row[12],
                     number=row[13],
                     unsent=row[14],
+                    model_name=row[15],
                 )
                 messages = [
                     MessageRecord(

@@ -41,6 +41,8 @@ def fake_app(
     notices: tuple[str, ...] = (),
     models: Callable[[], tuple[ModelChoice, ...]] = tuple,
     switch: Callable[[str, Callable[[str], None]], TuiBackend] | None = None,
+    model_name: str = "",
+    has_model: Callable[[str], bool] = lambda _name: True,
     **engine_kwargs: object,
 ) -> tuple[KvchatApp, FakeEngine]:
     """A `KvchatApp` over a `FakeEngine` (returned for `advance()` in manual mode).
@@ -60,6 +62,8 @@ def fake_app(
         notices=notices,
         models=models,
         switch=switch,
+        model_name=model_name,
+        has_model=has_model,
     )
 
     def load(progress: Callable[[str], None]) -> TuiBackend:

@@ -172,6 +172,7 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
         self.set_keymap(self.keymap)
         self.backend: TuiBackend | None = None
         self.service: SessionService | None = None
+        self._told_model: set[str] = set()  # sessions told they were written by another model
         self.serving = False  # True once start-up is over: sessions listed, the composer focused
         self.current: str | None = None
         self.buffer = StreamBuffer()
@@ -282,6 +283,7 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
                 stop_token_ids=chat.stop_token_ids,
                 default_sampling=backend.default_sampling,
                 default_max_tokens=backend.default_max_tokens,
+                model_name=backend.model_name,
             )
         except KvchatError as exc:
             self._close_backend(backend)
@@ -499,6 +501,38 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
         self._update_title()
         if session_id is not None and self.service is not None:
             self._focus_session(self.service, session_id)
+            self._say_whose_model(session_id)
+
+    def _say_whose_model(self, session_id: str) -> None:
+        """A session written with another model than the running one says which, once a
+        run: f5 switches to it, or it is no longer on this machine."""
+        view = self.views.get(session_id)
+        backend = self.backend
+        if (
+            view is None
+            or backend is None
+            or not view.model_name
+            or not backend.model_name
+            or view.model_name == backend.model_name
+            or session_id in self._told_model
+        ):
+            return
+        self._told_model.add(session_id)
+        self._check_model(backend, view.model_name, backend.model_name)
+
+    @work(thread=True, exit_on_error=False, group="model-check")
+    def _check_model(self, backend: TuiBackend, written_with: str, running: str) -> None:
+        """Thread worker: whether the session's model is still here reads the disk."""
+        if backend.has_model(written_with):
+            text = (
+                f"This session was written with {written_with}; {running} runs now (f5 switches)."
+            )
+        else:
+            text = (
+                f"This session was written with {written_with}, which is no longer on this "
+                f"machine; its next turn runs on {running}."
+            )
+        self.call_from_thread(self.notify, text, timeout=10)
 
     def _keep_unsent(self, session_id: str | None) -> None:
         """Store the composer's text as `session_id`'s unsent text (not while it holds a
@@ -789,6 +823,7 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
                 stop_token_ids=chat.stop_token_ids,
                 default_sampling=new.default_sampling,
                 default_max_tokens=new.default_max_tokens,
+                model_name=new.model_name,
             )
         except Exception as exc:
             self._close_backend(new)

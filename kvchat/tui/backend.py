@@ -46,6 +46,10 @@ class TuiBackend:
     # backend cannot switch, e.g. a remote server)
     models: Callable[[], tuple[ModelChoice, ...]] = tuple
     switch: Callable[[str, Progress], TuiBackend] | None = None
+    # the model as it was asked for (what sessions remember), and whether a model so
+    # named is on this machine now
+    model_name: str = ""
+    has_model: Callable[[str], bool] = lambda _name: True
 
 
 BackendFactory = Callable[[Progress], TuiBackend]
@@ -59,7 +63,7 @@ def start_real_backend(
     Raises `KvchatError` (e.g. `ModelLoadError`) with a message saying what to do.
     """
     from kvchat.remote.options import remote_options
-    from kvchat.runtime import open_chat_backend, resolve_options
+    from kvchat.runtime import model_spec_name, open_chat_backend, resolve_options
 
     options = resolve_options(args, settings)
     remote = remote_options(args, settings)
@@ -74,6 +78,11 @@ def start_real_backend(
             ModelChoice(c.name, c.source, c.detail, c.current, c.reason)
             for c in model_choices(options.model, settings.model_dirs)
         )
+
+    def has_model(name: str) -> bool:
+        from kvchat.runtime import model_available
+
+        return model_available(name, settings.model_dirs)
 
     def switch(name: str, progress: Progress) -> TuiBackend:
         return start_real_backend(
@@ -90,4 +99,6 @@ def start_real_backend(
         notices=backend.notices,
         models=models,
         switch=None if remote is not None else switch,
+        model_name="" if remote is not None else model_spec_name(options.model),
+        has_model=has_model,
     )
