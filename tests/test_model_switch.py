@@ -128,6 +128,9 @@ def test_the_real_backend_lists_the_machines_models_and_loads_another(
         assert "qwen2" in qwen.detail
         second = first.switch("qwen", lambda _line: None)
         assert second.chat.engine.model_fingerprint != first.chat.engine.model_fingerprint
+        assert (first.model_name, second.model_name) == (str(tiny_llama_dir), "qwen")
+        assert first.has_model("qwen") and first.has_model(str(tiny_llama_dir))
+        assert not first.has_model("gone-model")
         assert [c.current for c in second.models() if c.name == "qwen"] == [True]
     finally:
         first.close()
