@@ -119,6 +119,7 @@ def test_names_resolve_exactly_by_base_name_or_refuse_listing_the_candidates(sto
     assert resolve_model("TINY-ORG/TINY-GGUF:q4_0") == stores["hf-gguf"] / "tiny.Q4_0.gguf"
     assert resolve_model("tiny-org/tiny-llama") == stores["hf"]
     assert resolve_model("tiny-pub/tiny-model") == stores["lmstudio"]
+    assert resolve_model("TINY-LLAMA") == stores["hf"]  # without its ORG/ part
     with pytest.raises(ModelLoadError, match=r"names several models: .*:Q4_1.*:Q4_0|:Q4_0.*:Q4_1"):
         resolve_model("tiny-org/tiny-GGUF")
     with pytest.raises(ModelLoadError, match="kvchat models"):

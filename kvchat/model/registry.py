@@ -108,9 +108,14 @@ def resolve_model(
 
 def matching(spec: str, models: list[KnownModel]) -> list[KnownModel]:
     """The models `spec` names: an exact name (or file name), else every model whose
-    name is `spec` plus a `:QUANT` or `:TAG` part. Case is ignored."""
+    name is `spec` plus a `:QUANT` or `:TAG` part, else every one whose name without its
+    ORG/ part is (`qwen3-1.7b` for `Qwen/Qwen3-1.7B`). Case is ignored."""
     wanted = spec.lower()
     exact = [m for m in models if wanted in (m.name.lower(), m.path.name.lower())]
     if exact:
         return exact
-    return [m for m in models if m.name.lower().partition(":")[0] == wanted]
+    bases = [(m, m.name.lower().partition(":")[0]) for m in models]
+    tagged = [m for m, base in bases if base == wanted]
+    if tagged:
+        return tagged
+    return [m for m, base in bases if "/" not in wanted and base.rpartition("/")[2] == wanted]
