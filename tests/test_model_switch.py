@@ -138,8 +138,8 @@ def test_the_real_backend_lists_the_machines_models_and_loads_another(
             second.close()
 
 
-def test_a_session_remembers_its_models_name_across_restarts(tmp_path):
-    path = tmp_path / "sessions.db"
+def talked_with_model_a(path) -> tuple[SessionService, str]:
+    """A service on `path` running "model-a", and a session with one turn on it."""
     renderer = CharRenderer()
     service = SessionService(
         FakeEngine(fingerprint="fp-a"), renderer, Store(path),
@@ -148,6 +148,13 @@ def test_a_session_remembers_its_models_name_across_restarts(tmp_path):
     sid = service.create_session()
     service.say(sid, "hello")
     assert service.wait_idle(sid, timeout=10)
+    return service, sid
+
+
+def test_a_session_remembers_its_models_name_across_restarts(tmp_path):
+    path = tmp_path / "sessions.db"
+    renderer = CharRenderer()
+    service, sid = talked_with_model_a(path)
     assert service.session(sid).model_name == "model-a"
     service.replace_backend(FakeEngine(fingerprint="fp-b"), renderer, model_name="model-b")
     assert service.session(sid).model_name == "model-a"  # until a turn runs on model-b
@@ -168,14 +175,7 @@ async def test_opening_a_session_of_another_model_says_whose_it_is(tmp_path, her
     from kvchat.testing.tui import fake_app, ready, wait_until
 
     path = tmp_path / "sessions.db"
-    renderer = CharRenderer()
-    writer = SessionService(
-        FakeEngine(fingerprint="fp-a"), renderer, Store(path),
-        stop_token_ids=renderer.stop_token_ids, model_name="model-a",
-    )  # fmt: skip
-    sid = writer.create_session()
-    writer.say(sid, "hello")
-    assert writer.wait_idle(sid, timeout=10)
+    writer, sid = talked_with_model_a(path)
     writer.close()
     app, _ = fake_app(
         store=Store(path), fingerprint="fp-b", model_name="model-b", has_model=lambda _n: here
