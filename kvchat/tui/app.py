@@ -276,15 +276,7 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
             backend = self.backend_factory(lambda line: self.post_message(StartProgress(line)))
             store = self.store_factory()
             chat = backend.chat
-            service = SessionService(
-                chat.engine,
-                chat.renderer,
-                store,
-                stop_token_ids=chat.stop_token_ids,
-                default_sampling=backend.default_sampling,
-                default_max_tokens=backend.default_max_tokens,
-                model_name=backend.model_name,
-            )
+            service = SessionService(chat.engine, chat.renderer, store, **backend.service_options())
         except KvchatError as exc:
             self._close_backend(backend)
             self.post_message(StartFailed(str(exc), 2 if isinstance(exc, UsageError) else 1))
@@ -816,15 +808,7 @@ class KvchatApp(PanelBorderVariable, RefreshPump, CommandPalette, App[int]):
         new: TuiBackend | None = None
         try:
             new = old.switch(name, lambda _line: None)
-            chat = new.chat
-            service.replace_backend(
-                chat.engine,
-                chat.renderer,
-                stop_token_ids=chat.stop_token_ids,
-                default_sampling=new.default_sampling,
-                default_max_tokens=new.default_max_tokens,
-                model_name=new.model_name,
-            )
+            service.replace_backend(new.chat.engine, new.chat.renderer, **new.service_options())
         except Exception as exc:
             self._close_backend(new)
             if not isinstance(exc, KvchatError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvchat.chat.engine_port import ChatBackend
 from kvchat.chat.settings import Settings
@@ -50,6 +51,16 @@ class TuiBackend:
     # named is on this machine now
     model_name: str = ""
     has_model: Callable[[str], bool] = lambda _name: True
+
+    def service_options(self) -> dict[str, Any]:
+        """What `SessionService` (and its `replace_backend`) take from this backend
+        beside its engine and renderer."""
+        return {
+            "stop_token_ids": self.chat.stop_token_ids,
+            "default_sampling": self.default_sampling,
+            "default_max_tokens": self.default_max_tokens,
+            "model_name": self.model_name,
+        }
 
 
 BackendFactory = Callable[[Progress], TuiBackend]
