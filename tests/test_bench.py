@@ -19,7 +19,9 @@ import pytest
 from kvchat.bench.peers.base import batch_from_deltas
 from kvchat.bench.peers.kvchat import percentile
 from kvchat.bench.runner import parse_peers, parse_workloads
-from kvchat.bench.workloads import WORKLOAD_NAMES, make_plan, median_of_runs
+from kvchat.bench.workloads import WORKLOAD_NAMES
+from kvchat.bench.workloads.plan import make_plan
+from kvchat.bench.workloads.repeats import median_of_runs
 from kvchat.cli import main
 from kvchat.engine.token_ids import common_prefix
 from kvchat.errors import KvchatError

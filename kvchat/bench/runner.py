@@ -37,13 +37,9 @@ from kvchat.bench.provenance import (
 )
 from kvchat.bench.report import markdown, write_report
 from kvchat.bench.restart_phase import model_load
-from kvchat.bench.workloads import (
-    DISK_NAME,
-    WORKLOAD_NAMES,
-    WORKLOADS,
-    BenchContext,
-    make_plan,
-)
+from kvchat.bench.workloads import WORKLOAD_NAMES, WORKLOADS
+from kvchat.bench.workloads.context import DISK_NAME, BenchContext
+from kvchat.bench.workloads.plan import make_plan
 from kvchat.errors import KvchatError
 from kvchat.model.device import dtype_name
 from kvchat.paths import app_paths
@@ -324,7 +320,7 @@ def main(args) -> int:
                 peer.warm_up(opener, docs.FOLLOW_UPS[0], 2 * length + 256)
         for name in workloads:
             t0 = time.perf_counter()
-            results["workloads"][name] = WORKLOADS[name](ctx)
+            results["workloads"][name] = WORKLOADS[name].run(ctx)
             results["workloads"][name]["seconds"] = time.perf_counter() - t0
     finally:
         for peer in {id(p): p for p in [*chat_peers.values(), *speed_peers.values()]}.values():

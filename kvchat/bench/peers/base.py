@@ -1,6 +1,6 @@
 """What every benchmarked engine answers, and the values it answers with.
 
-The workloads (`bench/workloads.py`) drive engines only through these types, so
+The workloads (`bench/workloads/`) drive engines only through these types, so
 kvchat and each peer are measured by the same code: the same turns in the same
 order, TTFT taken the same way (from the start of a turn, templating included,
 to the first generated token), decode rates over the same span (after the

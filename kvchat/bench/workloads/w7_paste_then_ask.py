@@ -31,6 +31,10 @@ from kvchat.bench.peers.kvchat import (
     start_streams,
     stop_streams,
 )
+from kvchat.bench.table import Column, engine_table, median_ms, median_number, median_ratio, number
+from kvchat.bench.workloads.context import BenchContext
+from kvchat.bench.workloads.repeats import chat_run, repeat_interleaved
+from kvchat.bench.workloads.workload import Workload
 from kvchat.engine.events import DraftProgress
 
 QUESTION = "Which function here is the most complex?"  # 40 characters
@@ -123,10 +127,8 @@ def draft_interference(
     }
 
 
-def run_w7(ctx) -> dict:
+def run_w7(ctx: BenchContext) -> dict:
     """W7 on kvchat: TTFT without drafts, with an 8 s and a 2 s pause; then interference."""
-    from kvchat.bench.workloads import _chat_run, _repeat
-
     plan, model = ctx.plan, ctx.model
     pasted = pasted_documents(model.tokenizer, plan.w7_doc_tokens)
     capacity = sum(
@@ -140,13 +142,13 @@ def run_w7(ctx) -> dict:
         f"draft, {plan.w7_short_pause_s:g} s pause": plan.w7_short_pause_s,
     }
     engines = {
-        name: _chat_run(
+        name: chat_run(
             lambda: ctx.kvchat.chat(capacity),
             lambda c, pause=pause: w7_once(c, pasted, pause, plan.w7_answer_tokens),
         )
         for name, pause in modes.items()
     }
-    out = _repeat(ctx, "W7", engines)
+    out = repeat_interleaved(ctx, "W7", engines)
     plain = out["engines"].get(NO_DRAFT, {}).get("runs", [])
     same = True
     for entry in out["engines"].values():
@@ -169,8 +171,47 @@ def run_w7(ctx) -> dict:
             ctx.kvchat, streams, draft_ids, plan.w3_baseline_tokens, plan.w7_window_tokens
         )
 
-    phase = _repeat(ctx, "W7 interference", {"3 streams + a draft": interference})
+    phase = repeat_interleaved(ctx, "W7 interference", {"3 streams + a draft": interference})
     out["interference"] = phase
     for name in [*ctx.chat_peers, *ctx.speed_peers]:
         out["not_applicable"][name] = NO_PEER
     return out
+
+
+def _slowest(entry: dict) -> str:
+    return number(max(entry["median"]["ttft_per_session_s"]), 3)
+
+
+def _draft_ready(entry: dict) -> str:
+    m = entry["median"]
+    return f"{number(m['draft_ready_tokens'])} of {number(m['draft_tokens'])}"
+
+
+def w7_table(w: dict) -> list[str]:
+    columns = [
+        median_number("TTFT, first turn (s)", "ttft_first_turn_s", 3),
+        Column("slowest (s)", _slowest),
+        median_number("prefilled", "prefilled_tokens"),
+        median_number("from drafts", "draft_tokens"),
+    ]
+    lines = [
+        f"## W7: paste then ask ({w.get('sessions')} sessions, a "
+        f"{number(w.get('document_tokens'))}-token document drafted, then a question sent)",
+        "",
+        *engine_table(w["engines"], "mode", columns),
+        "",
+        "Replies identical with and without drafts: "
+        + ("yes" if w.get("replies_identical") else "no"),
+    ]
+    interference = [
+        median_ms("ITL p99 alone (ms)", "itl_p99_alone_s"),
+        median_ms("ITL p99 while drafting (ms)", "itl_p99_drafting_s"),
+        median_ratio("p99 ratio", "p99_ratio"),
+        Column("draft ready (tokens)", _draft_ready),
+    ]
+    for name, e in w.get("interference", {}).get("engines", {}).items():
+        lines += ["", *engine_table({name: e}, "interference", interference)]
+    return lines
+
+
+W7 = Workload("W7", run_w7, w7_table)
