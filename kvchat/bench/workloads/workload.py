@@ -28,6 +28,8 @@ class Chart:
 
 @dataclass(frozen=True)
 class Workload:
+    """One workload of the suite, as the runner and the report see it."""
+
     name: str  # as `--workloads` and the JSON's "workloads" name it
     run: Callable[[BenchContext], dict]  # the JSON-ready result (`repeats.repeat_interleaved`)
     table: Callable[[dict], list[str]]  # the report's section, given an engine produced numbers
