@@ -54,10 +54,12 @@ async def measure(sessions: int, switches: int) -> list[float]:
         await ready(pilot, app)
         for i in range(sessions):
             await pilot.press("ctrl+n")
-            await wait_until(pilot, lambda n=i + 1: len(app.sidebar.order) == n)
-            app.service.say(app.current, f"session {i}: a long story please", max_tokens=100_000)
+            await wait_until(pilot, lambda n=i + 1: len(app.chat.sidebar.order) == n)
+            app.service.say(
+                app.chat.current, f"session {i}: a long story please", max_tokens=100_000
+            )
         threading.Thread(target=pump, daemon=True).start()
-        await wait_until(pilot, lambda: all(v.state == "decoding" for v in app.views.values()))
+        await wait_until(pilot, lambda: all(v.state == "decoding" for v in app.chat.views.values()))
         for _ in range(20):  # some text in every session first
             await pilot.pause(0.05)
         frames: list[float] = []
@@ -71,17 +73,17 @@ async def measure(sessions: int, switches: int) -> list[float]:
         app._display = timed_display  # type: ignore[method-assign]
 
         def rendered(target: str) -> bool:
-            blocks = app.transcript.blocks()
+            blocks = app.chat.transcript.blocks()
             return (
-                app.transcript.session_id == target
+                app.chat.transcript.session_id == target
                 and bool(blocks)
                 and all(b.body.children or not b.body.source for b in blocks)
             )
 
         latencies: list[float] = []
         for _ in range(switches):
-            order = app.sidebar.order
-            target = order[(order.index(app.current) + 1) % len(order)]
+            order = app.chat.sidebar.order
+            target = order[(order.index(app.chat.current) + 1) % len(order)]
             t0 = time.perf_counter()
             app.simulate_key("alt+down")
             deadline = t0 + 5
@@ -93,7 +95,7 @@ async def measure(sessions: int, switches: int) -> list[float]:
             latencies.append((frames[-1] - t0) * 1000)
             await asyncio.sleep(0.1)  # let the streams flow between switches
         stop.set()
-        for session_id in app.sidebar.order:
+        for session_id in app.chat.sidebar.order:
             app.service.stop(session_id)
     return latencies
 

@@ -231,24 +231,24 @@ async def test_the_tui_shows_a_banner_until_saving_works_and_quits_1_with_the_fi
         await ready(pilot, app)
         await pilot.press(*"hello", "enter")
         await wait_until(pilot, lambda: len(transcript_texts(app)) == 2, what="first reply")
-        await wait_until(pilot, lambda: app.service.session(app.current).state == "idle")
+        await wait_until(pilot, lambda: app.service.session(app.chat.current).state == "idle")
         assert app.service.flush(10)
-        assert not app.save_banner.display
+        assert not app.chat.save_banner.display
 
         set_pragma(store, "query_only = 1")
         await pilot.press(*"again", "enter")
-        await wait_until(pilot, lambda: app.save_banner.display, what="the banner")
-        shown = str(app.save_banner.render())
+        await wait_until(pilot, lambda: app.chat.save_banner.display, what="the banner")
+        shown = str(app.chat.save_banner.render())
         assert "NOT SAVED" in shown and "readonly" in shown and "recovery file" in shown
 
         set_pragma(store, "query_only = 0")
-        await wait_until(pilot, lambda: not app.save_banner.display, what="the banner to go")
+        await wait_until(pilot, lambda: not app.chat.save_banner.display, what="the banner to go")
         assert any("Saving works again" in n.message for n in app._notifications)
 
         set_pragma(store, "query_only = 1")
         await pilot.press(*"lost?", "enter")
-        await wait_until(pilot, lambda: app.save_banner.display, what="the banner again")
-        await wait_until(pilot, lambda: app.service.session(app.current).state == "idle")
+        await wait_until(pilot, lambda: app.chat.save_banner.display, what="the banner again")
+        await wait_until(pilot, lambda: app.service.session(app.chat.current).state == "idle")
         await pilot.press("ctrl+q")
     app.shutdown()
     assert app.exit_code == 1 and app.unsaved is not None

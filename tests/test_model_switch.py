@@ -77,10 +77,10 @@ async def test_f5_lists_the_models_and_switches_to_the_one_chosen():
     app, engine = fake_app(fingerprint="model-a", models=lambda: choices, switch=switch)
     async with app.run_test(size=(150, 45), notifications=True) as pilot:
         await ready(pilot, app)
-        app.composer.text = "hello"
+        app.chat.composer.text = "hello"
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.current is not None and len(engine.submitted) == 1)
-        talked = app.current
+        await wait_until(pilot, lambda: app.chat.current is not None and len(engine.submitted) == 1)
+        talked = app.chat.current
         await wait_until(pilot, lambda: app.service.wait_idle(talked, timeout=0), what="idle")
         await pilot.press("f5")
         await wait_until(pilot, lambda: isinstance(app.screen, ModelPicker), what="the picker")
@@ -182,8 +182,8 @@ async def test_opening_a_session_of_another_model_says_whose_it_is(tmp_path, her
     )
     async with app.run_test(size=(150, 45), notifications=True) as pilot:
         await ready(pilot, app)
-        if app.current != sid:
-            await app.switch_to(sid)
+        if app.chat.current != sid:
+            await app.chat.switch_to(sid)
         await wait_until(
             pilot,
             lambda: any(says in n.message for n in app._notifications),

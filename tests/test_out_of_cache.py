@@ -56,7 +56,7 @@ async def test_the_tui_shows_a_long_error_whole() -> None:
         await wait_until(pilot, lambda: transcript_texts(app)[-1:] != [] and
                          transcript_texts(app)[-1][1] == "error", what="the error")  # fmt: skip
         await pilot.pause()
-        header = app.transcript.blocks()[-1].header
+        header = app.chat.transcript.blocks()[-1].header
         assert header.size.height >= 2  # wrapped, not cut at the transcript's edge
         shown = " ".join(app.export_screenshot().replace("&#160;", " ").split())
         assert "END-OF-MESSAGE" in shown
@@ -142,11 +142,11 @@ async def test_a_failed_reply_names_the_retry_key_and_ctrl_r_tries_again() -> No
         await pilot.press(*"hi", "enter")
         await wait_until(pilot, lambda: transcript_texts(app)[-1:] != [] and
                          transcript_texts(app)[-1][1] == "error", what="the error")  # fmt: skip
-        header = str(app.transcript.blocks()[-1].header.render())
+        header = str(app.chat.transcript.blocks()[-1].header.render())
         assert "the cache is full" in header and "(ctrl+r tries again)" in header
-        assert "tries again" not in str(app.transcript.blocks()[0].header.render())
+        assert "tries again" not in str(app.chat.transcript.blocks()[0].header.render())
         engine.error_after_tokens = None
         await pilot.press("ctrl+r")
         await wait_until(pilot, lambda: transcript_texts(app)[-1][1] == "complete", what="retried")
         assert [t[0] for t in transcript_texts(app)] == ["user", "assistant"]
-        assert "tries again" not in str(app.transcript.blocks()[-1].header.render())
+        assert "tries again" not in str(app.chat.transcript.blocks()[-1].header.render())

@@ -62,7 +62,7 @@ async def test_the_palette_finds_a_message_in_another_session_and_opens_it(tmp_p
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
         await new_sessions(pilot, app, 2)
-        first, _ = app.sidebar.order
+        first, _ = app.chat.sidebar.order
         await pilot.press("alt+1")
         await pilot.press(*"where is the zebra crossing", "enter")
         await wait_until(
@@ -81,5 +81,5 @@ async def test_the_palette_finds_a_message_in_another_session_and_opens_it(tmp_p
         hit = next(o for o in palette_options(app) if o.startswith("In 1."))
         await wait_until(pilot, lambda: palette_options(app)[0] == hit, what="the hit first")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.current == first, what="the session opened")
-        assert not app.transcript.following  # scrolled to the message, not to the end
+        await wait_until(pilot, lambda: app.chat.current == first, what="the session opened")
+        assert not app.chat.transcript.following  # scrolled to the message, not to the end

@@ -54,23 +54,23 @@ async def test_sessions_stream_switch_stop_regenerate_fork_archive_and_attach(tm
         await ready(pilot, app)
         service = app.service
         await pilot.press("ctrl+n")  # the key makes the first; an empty one is reused after
-        await wait_until(pilot, lambda: len(app.sidebar.order) == 1, what="a session")
+        await wait_until(pilot, lambda: len(app.chat.sidebar.order) == 1, what="a session")
         await new_sessions(pilot, app, 2)
-        await wait_until(pilot, lambda: len(app.sidebar.order) == 3, what="three sessions")
-        first, second, third = app.sidebar.order  # creation order, numbered 1, 2, 3
-        assert app.current == third
+        await wait_until(pilot, lambda: len(app.chat.sidebar.order) == 3, what="three sessions")
+        first, second, third = app.chat.sidebar.order  # creation order, numbered 1, 2, 3
+        assert app.chat.current == third
 
         # send in two sessions; both stream at once (the engine holds them mid-reply)
         await type_and_send(pilot, "alpha")
         await wait_until(pilot, lambda: service.session(third).state != "idle", what="alpha starts")
         await pilot.press("alt+up")
-        assert app.current == second
+        assert app.chat.current == second
         await type_and_send(pilot, "beta")
         await wait_until(pilot, lambda: service.session(second).state != "idle", what="beta starts")
         engine.advance(4)
         await wait_until(
             pilot,
-            lambda: all(app.views[s].state == "decoding" for s in (second, third)),
+            lambda: all(app.chat.views[s].state == "decoding" for s in (second, third)),
             what="both decoding in the sidebar",
         )
         await wait_until(
@@ -78,11 +78,11 @@ async def test_sessions_stream_switch_stop_regenerate_fork_archive_and_attach(tm
             lambda: transcript_texts(app)[-1][2] == service.messages(second)[-1].content != "",
             what="the visible reply streams",
         )
-        assert app.sidebar.rows()[second].view.title == "beta"
+        assert app.chat.sidebar.rows()[second].view.title == "beta"
 
         # switch while both stream: the other session renders at once, its text so far
         await pilot.press("ctrl+pagedown")
-        assert app.current == third
+        assert app.chat.current == third
         assert [t[0] for t in transcript_texts(app)] == ["user", "assistant"]
         assert transcript_texts(app)[0][2] == "alpha"
         shown = transcript_texts(app)[-1][2]
@@ -95,9 +95,11 @@ async def test_sessions_stream_switch_stop_regenerate_fork_archive_and_attach(tm
         await wait_until(
             pilot, lambda: transcript_texts(app)[-1][1] == "cancelled", what="stopped reply"
         )
-        assert "stopped" in str(app.transcript.blocks()[-1].header.render())
-        await wait_until(pilot, lambda: app.views[second].state == "idle", what="beta finishes")
-        assert app.views[second].unread
+        assert "stopped" in str(app.chat.transcript.blocks()[-1].header.render())
+        await wait_until(
+            pilot, lambda: app.chat.views[second].state == "idle", what="beta finishes"
+        )
+        assert app.chat.views[second].unread
         assert service.messages(second)[-1].state == MessageState.COMPLETE
 
         # regenerate the stopped reply: a new one replaces it and streams to the end
@@ -118,29 +120,31 @@ async def test_sessions_stream_switch_stop_regenerate_fork_archive_and_attach(tm
         await pilot.press("enter")
         await wait_until(pilot, lambda: first_command(app) == "Fork at the end", what="fork list")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: len(app.sidebar.order) == 4, what="the fork")
-        fork = app.current
+        await wait_until(pilot, lambda: len(app.chat.sidebar.order) == 4, what="the fork")
+        fork = app.chat.current
         assert fork not in (first, second, third)
-        assert app.views[fork].title.endswith("(fork)")
+        assert app.chat.views[fork].title.endswith("(fork)")
         assert [t[2] for t in transcript_texts(app)] == ["alpha", final]
 
         # archive, then undo
         await pilot.press("f6")
-        await wait_until(pilot, lambda: fork not in app.sidebar.order, what="archived")
-        assert app.current != fork
+        await wait_until(pilot, lambda: fork not in app.chat.sidebar.order, what="archived")
+        assert app.chat.current != fork
         await pilot.press("f9")
-        await wait_until(pilot, lambda: app.current == fork, what="undo brings it back")
-        assert fork in app.sidebar.order and not service.session(fork).archived
+        await wait_until(pilot, lambda: app.chat.current == fork, what="undo brings it back")
+        assert fork in app.chat.sidebar.order and not service.session(fork).archived
 
         # attach a file's text, ask about it
         doc = tmp_path / "notes.txt"
         doc.write_text("the cache keeps pages\n", encoding="utf-8")
         await pilot.press("ctrl+o")
-        await wait_until(pilot, lambda: app.screen.id != "_default", what="attach dialog")
+        await wait_until(pilot, lambda: app.screen is not app.chat, what="attach dialog")
         await pilot.press(*str(doc))
         await pilot.press("enter")
-        await wait_until(pilot, lambda: [a.name for a in app.composer.attachments] == ["notes.txt"])
-        assert app.composer.text == ""  # the file is a chip, not text in the box
+        await wait_until(
+            pilot, lambda: [a.name for a in app.chat.composer.attachments] == ["notes.txt"]
+        )
+        assert app.chat.composer.text == ""  # the file is a chip, not text in the box
         await type_and_send(pilot, "what does it say?")
         await wait_until(pilot, lambda: len(transcript_texts(app)) == 4, what="attached message")
         sent = service.messages(fork)[2].content
@@ -155,17 +159,17 @@ async def test_hidden_session_finishes_and_every_token_reaches_the_transcript():
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: app.current is not None)
-        visible = app.current
+        await wait_until(pilot, lambda: app.chat.current is not None)
+        visible = app.chat.current
         await type_and_send(pilot, "one")
         await wait_until(pilot, lambda: app.service.session(visible).state != "idle")
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: app.current != visible)
-        hidden = app.current
+        await wait_until(pilot, lambda: app.chat.current != visible)
+        hidden = app.chat.current
         await type_and_send(pilot, "two")
         await wait_until(pilot, lambda: app.service.session(hidden).state != "idle")
         await pilot.press("alt+1")
-        assert app.current == visible
+        assert app.chat.current == visible
         for _ in range(60):
             engine.advance(1)
             await pilot.pause()
@@ -173,7 +177,7 @@ async def test_hidden_session_finishes_and_every_token_reaches_the_transcript():
         await wait_until(pilot, lambda: transcript_texts(app)[-1][1] == "complete")
         assert transcript_texts(app)[-1][2] == app.service.messages(visible)[-1].content
         assert len(app.service.messages(hidden)[-1].content) == 50
-        assert app.views[hidden].unread and not app.views[visible].unread
+        assert app.chat.views[hidden].unread and not app.chat.views[visible].unread
 
 
 async def test_a_message_that_cannot_be_sent_comes_back_to_the_composer():
@@ -183,13 +187,13 @@ async def test_a_message_that_cannot_be_sent_comes_back_to_the_composer():
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
         text = " ".join(["too long"] * 20)
-        app.composer.load_text(text)
+        app.chat.composer.load_text(text)
         await pilot.press("enter")
         await wait_until(
             pilot, lambda: any("does not fit" in n for n in notifications(app)), what="refusal"
         )
-        await wait_until(pilot, lambda: app.composer.text == text, what="the text back")
-        assert not [m for m in app.service.messages(app.current) if m.role == "user"]
+        await wait_until(pilot, lambda: app.chat.composer.text == text, what="the text back")
+        assert not [m for m in app.service.messages(app.chat.current) if m.role == "user"]
         assert engine.submitted == []
 
 
@@ -201,14 +205,14 @@ async def test_edit_and_resend_replaces_the_last_message():
         await wait_until(pilot, lambda: len(transcript_texts(app)) == 2)
         await wait_until(pilot, lambda: transcript_texts(app)[-1][1] == "complete")
         await pilot.press("f3")
-        assert app.composer.editing and app.composer.text == "frist"
-        app.composer.load_text("first")
+        assert app.chat.composer.editing and app.chat.composer.text == "frist"
+        app.chat.composer.load_text("first")
         await pilot.press("enter")
         await wait_until(
             pilot, lambda: transcript_texts(app)[:1] == [("user", "complete", "first")]
         )
         await wait_until(pilot, lambda: transcript_texts(app)[-1][1] == "complete")
-        assert [m.content for m in app.service.messages(app.current) if m.role == "user"] == [
+        assert [m.content for m in app.service.messages(app.chat.current) if m.role == "user"] == [
             "first"
         ]
 
@@ -227,7 +231,9 @@ async def test_keys_typed_while_start_up_lists_the_sessions_reach_the_composer(m
     monkeypatch.setattr(SessionList, "set_sessions", list_while_a_key_arrives)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
-        await wait_until(pilot, lambda: app.composer.text == "x", what="the key in the composer")
+        await wait_until(
+            pilot, lambda: app.chat.composer.text == "x", what="the key in the composer"
+        )
 
 
 async def typed_at_start_up(pilot, app: KvchatApp, keys: list[str]) -> None:
@@ -253,11 +259,11 @@ async def test_what_is_typed_while_the_model_loads_is_kept_and_sent_when_asked(s
         if send:
             await wait_until(pilot, lambda: transcript_texts(app)[-1][1] == "complete")
             assert transcript_texts(app)[0] == ("user", "complete", "early bird")
-            assert app.composer.text == ""
+            assert app.chat.composer.text == ""
         else:
-            assert app.composer.text == "early bird" and not transcript_texts(app)[1:]
+            assert app.chat.composer.text == "early bird" and not transcript_texts(app)[1:]
             await pilot.press("!")  # the cursor is at the end of the draft
-            assert app.composer.text == "early bird!"
+            assert app.chat.composer.text == "early bird!"
 
 
 async def test_a_failed_start_shows_what_was_typed_while_it_loaded():
@@ -305,13 +311,13 @@ async def test_interrupted_reply_is_restored_and_marked(tmp_path):
     app, _ = fake_app(store=Store(tmp_path / "db.sqlite3"))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
-        await wait_until(pilot, lambda: app.current == "s1", 20, "the restored session shown")
-        assert app.sidebar.rows()["s1"].view.title == "restored chat"
+        await wait_until(pilot, lambda: app.chat.current == "s1", 20, "the restored session shown")
+        assert app.chat.sidebar.rows()["s1"].view.title == "restored chat"
         assert transcript_texts(app) == [
             ("user", "complete", "tell me"),
             ("assistant", "interrupted", "half a rep"),
         ]
-        assert "interrupted" in str(app.transcript.blocks()[-1].header.render())
+        assert "interrupted" in str(app.chat.transcript.blocks()[-1].header.render())
         assert any("interrupted" in n for n in notifications(app))
 
 
@@ -324,13 +330,13 @@ async def test_bad_settings_are_reported_and_keys_remap_by_id():
         assert any("line 3" in t for t in texts)
         assert any("no_such_action" in t for t in texts)
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: len(app.sidebar.order) == 1)
+        await wait_until(pilot, lambda: len(app.chat.sidebar.order) == 1)
         await new_sessions(pilot, app, 1)
-        await wait_until(pilot, lambda: len(app.sidebar.order) == 2)
-        older, newest = app.sidebar.order
-        assert app.current == newest
+        await wait_until(pilot, lambda: len(app.chat.sidebar.order) == 2)
+        older, newest = app.chat.sidebar.order
+        assert app.chat.current == newest
         await pilot.press("ctrl+right")
-        assert app.current == older
+        assert app.chat.current == older
 
 
 async def test_missing_model_shows_what_to_do_and_quits():
@@ -355,38 +361,38 @@ async def test_copy_export_rename_and_sampling(tmp_path, monkeypatch):
         await wait_until(
             pilot, lambda: transcript_texts(app)[-1:] and transcript_texts(app)[-1][1] == "complete"
         )
-        reply = app.service.messages(app.current)[-1].content
+        reply = app.service.messages(app.chat.current)[-1].content
         await pilot.press("f4")
         assert app.clipboard == reply
         await pilot.press("f2")
-        await wait_until(pilot, lambda: app.screen.id != "_default")
+        await wait_until(pilot, lambda: app.screen is not app.chat)
         await pilot.press("ctrl+u", *"Renamed", "enter")
-        await wait_until(pilot, lambda: app.views[app.current].title == "Renamed")
-        assert app.transcript.border_title == "Renamed"
-        app.action_export()
+        await wait_until(pilot, lambda: app.chat.views[app.chat.current].title == "Renamed")
+        assert app.chat.transcript.border_title == "Renamed"
+        app.chat.action_export()
         await pilot.pause()
         await pilot.press("enter")
         await wait_until(pilot, lambda: (tmp_path / "renamed.md").exists())
         assert reply in (tmp_path / "renamed.md").read_text(encoding="utf-8")
-        app.action_sampling()
+        app.chat.action_sampling()
         await pilot.pause()
         await pilot.press("ctrl+u", *"temperature=0.2 max_tokens=9", "enter")
-        await wait_until(pilot, lambda: app.service.session(app.current).max_tokens == 9)
-        assert app.service.session(app.current).sampling.temperature == 0.2
+        await wait_until(pilot, lambda: app.service.session(app.chat.current).max_tokens == 9)
+        assert app.service.session(app.chat.current).sampling.temperature == 0.2
 
 
 async def test_the_cache_note_follows_the_backend_as_it_changes(monkeypatch):
     """The note names the attention in use; the kernel may finish compiling after start."""
-    import kvchat.tui.refresh_pump as refresh_pump
+    import kvchat.tui.frame_pump as frame_pump
 
-    monkeypatch.setattr(refresh_pump, "NOTE_EVERY_S", 0.0)
+    monkeypatch.setattr(frame_pump, "NOTE_EVERY_S", 0.0)
     note = ["attention: torch SDPA while kvchat's kernel compiles"]
     app, _engine = fake_app(describe=lambda: note[0])
     async with app.run_test(size=(160, 45)) as pilot:
         await ready(pilot, app)
-        await wait_until(pilot, lambda: "compiles" in app.meters.values["cache"], 10)
+        await wait_until(pilot, lambda: "compiles" in app.chat.meters.values["cache"], 10)
         note[0] = "attention: kvchat's CPU kernel"
-        await wait_until(pilot, lambda: "CPU kernel" in app.meters.values["cache"], 10)
+        await wait_until(pilot, lambda: "CPU kernel" in app.chat.meters.values["cache"], 10)
 
 
 async def test_the_gil_hands_over_every_millisecond_while_the_app_runs():
@@ -407,31 +413,31 @@ async def test_new_session_reuses_an_empty_one_instead_of_piling_them_up():
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: app.current is not None, what="a session")
-        empty = app.current
+        await wait_until(pilot, lambda: app.chat.current is not None, what="a session")
+        empty = app.chat.current
         for _ in range(3):
             await pilot.press("ctrl+n")
             await pilot.pause()
-        assert app.sidebar.order == [empty] and app.current == empty
+        assert app.chat.sidebar.order == [empty] and app.chat.current == empty
 
         await type_and_send(pilot, "hello")
         await wait_until(pilot, lambda: app.service.session(empty).state == "idle", what="reply")
         await wait_until(pilot, lambda: app.service.session(empty).message_count == 2, what="kept")
         await pilot.press("ctrl+n")  # from a chat with messages: a new, empty one
-        await wait_until(pilot, lambda: len(app.sidebar.order) == 2, what="session two")
-        second = app.current
+        await wait_until(pilot, lambda: len(app.chat.sidebar.order) == 2, what="session two")
+        second = app.chat.current
         assert second != empty
         await pilot.press(*"half a thought")  # typed, not sent: this one is in use
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: len(app.sidebar.order) == 3, what="session three")
-        third = app.current
+        await wait_until(pilot, lambda: len(app.chat.sidebar.order) == 3, what="session three")
+        third = app.chat.current
         await pilot.press("alt+1")
-        assert app.current == empty
+        assert app.chat.current == empty
         await pilot.press("ctrl+n")  # the empty one listed is reused
-        await wait_until(pilot, lambda: app.current == third, what="the empty session")
-        assert len(app.sidebar.order) == 3
+        await wait_until(pilot, lambda: app.chat.current == third, what="the empty session")
+        assert len(app.chat.sidebar.order) == 3
         await pilot.press("alt+2")
-        assert app.composer.text == "half a thought"
+        assert app.chat.composer.text == "half a thought"
 
 
 async def test_attaching_says_the_messages_size_at_once_and_by_how_much_it_is_too_long(
@@ -446,16 +452,16 @@ async def test_attaching_says_the_messages_size_at_once_and_by_how_much_it_is_to
     async with app.run_test(size=SIZE, notifications=True) as pilot:
         await ready(pilot, app)
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: app.current is not None, what="a session")
-        app.attach_file(small)
+        await wait_until(pilot, lambda: app.chat.current is not None, what="a session")
+        app.chat.attach_file(small)
         await wait_until(
             pilot,
             lambda: any("Attached notes.md: the message is" in t and "tokens of the" in t
                         for t in notifications(app)),
             what="the size",
         )  # fmt: skip
-        app.composer.clear()
-        app.attach_file(big)
+        app.chat.composer.clear()
+        app.chat.attach_file(big)
         await wait_until(
             pilot, lambda: any("book.md" in t for t in notifications(app)), what="the warning"
         )

@@ -13,7 +13,7 @@ SIZE = (150, 45)
 
 
 def chip_texts(app) -> list[str]:
-    return [str(chip.render()) for chip in app.query(AttachmentChip)]
+    return [str(chip.render()) for chip in app.chat.query(AttachmentChip)]
 
 
 def test_a_message_splits_back_into_its_files_and_text(tmp_path):
@@ -38,27 +38,27 @@ async def test_attachments_are_chips_that_can_be_removed_and_survive_a_restart(t
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
         await new_sessions(pilot, app, 2)
-        first, second = app.sidebar.order
+        first, second = app.chat.sidebar.order
         await pilot.press("alt+1")
-        app.attach_file(notes)
-        app.attach_file(book)
+        app.chat.attach_file(notes)
+        app.chat.attach_file(book)
         await wait_until(pilot, lambda: len(chip_texts(app)) == 2, what="two chips")
-        assert app.composer.text == ""
+        assert app.chat.composer.text == ""
         counted = chip_texts(app)
         assert counted[0].startswith("notes.md · ") and "tokens" in counted[0]
-        assert app.attachment_chips.display
+        assert app.chat.attachment_chips.display
         # backspace at the start of the box takes the last chip off, not a character
         await pilot.press(*"ab", "left", "left", "backspace")
         await wait_until(pilot, lambda: len(chip_texts(app)) == 1, what="one chip left")
-        assert app.composer.text == "ab" and chip_texts(app)[0].startswith("notes.md")
+        assert app.chat.composer.text == "ab" and chip_texts(app)[0].startswith("notes.md")
         await pilot.press("ctrl+a", "ctrl+k")  # (the box's own editing keys)
         await pilot.press(*"what does it say?")
         # another session has its own (empty) box; coming back brings the chip back
         await pilot.press("alt+2")
-        assert not chip_texts(app) and not app.attachment_chips.display
+        assert not chip_texts(app) and not app.chat.attachment_chips.display
         await pilot.press("alt+1")
         await wait_until(pilot, lambda: len(chip_texts(app)) == 1, what="the chip again")
-        assert app.composer.text == "what does it say?"
+        assert app.chat.composer.text == "what does it say?"
     again, engine = fake_app(store=Store(path), manual=True, tokens_per_reply=4)
     async with again.run_test(size=SIZE) as pilot:
         await ready(pilot, again)
@@ -67,21 +67,21 @@ async def test_attachments_are_chips_that_can_be_removed_and_survive_a_restart(t
         await wait_until(
             pilot, lambda: "tokens" in chip_texts(again)[0], what="counted after the restart"
         )
-        assert again.composer.text == "what does it say?"
+        assert again.chat.composer.text == "what does it say?"
         await pilot.press("enter")
         await wait_until(pilot, lambda: again.service.messages(first), what="sent")
         sent = again.service.messages(first)[0].content
         assert sent.startswith("File `notes.md`:") and "the cache keeps pages" in sent
         assert sent.endswith("what does it say?") and "chapter one" not in sent
-        assert not chip_texts(again) and again.composer.text == ""
+        assert not chip_texts(again) and again.chat.composer.text == ""
         engine.advance(10)
         await wait_until(
             pilot, lambda: again.service.session(first).state == "idle", what="the reply"
         )
         await pilot.press("f3")  # edit and resend: the file is a chip again
         await wait_until(pilot, lambda: len(chip_texts(again)) == 1, what="the chip on edit")
-        assert again.composer.text == "what does it say?"
-        chip = again.query_one(AttachmentChip)
+        assert again.chat.composer.text == "what does it say?"
+        chip = again.chat.query_one(AttachmentChip)
         await pilot.click(chip)  # the click removes it
         await wait_until(pilot, lambda: not chip_texts(again), what="no chip")
         await pilot.press("enter")

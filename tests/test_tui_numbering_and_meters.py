@@ -19,7 +19,7 @@ SIZE = (150, 45)
 
 
 def row_number(app, session_id: str) -> str:
-    return app.sidebar.rows()[session_id].render().plain.split()[0]
+    return app.chat.sidebar.rows()[session_id].render().plain.split()[0]
 
 
 async def test_a_new_session_takes_the_next_number_and_never_renumbers_the_others():
@@ -29,13 +29,13 @@ async def test_a_new_session_takes_the_next_number_and_never_renumbers_the_other
         created = []
         for n in range(1, 4):
             await new_sessions(pilot, app, 1)
-            await wait_until(pilot, lambda n=n: len(app.sidebar.order) == n, what=f"{n} rows")
-            created.append(app.current)
+            await wait_until(pilot, lambda n=n: len(app.chat.sidebar.order) == n, what=f"{n} rows")
+            created.append(app.chat.current)
             assert [row_number(app, s) for s in created] == [str(i) for i in range(1, n + 1)]
         await pilot.press("alt+1")
-        assert app.current == created[0]
+        assert app.chat.current == created[0]
         await pilot.press("alt+3")
-        assert app.current == created[2]
+        assert app.chat.current == created[2]
 
 
 async def test_archiving_or_deleting_a_session_never_renumbers_the_others(tmp_path):
@@ -48,30 +48,30 @@ async def test_archiving_or_deleting_a_session_never_renumbers_the_others(tmp_pa
         created = []
         for n in range(1, 5):
             await new_sessions(pilot, app, 1)
-            await wait_until(pilot, lambda n=n: len(app.sidebar.order) == n, what=f"{n} rows")
-            created.append(app.current)
+            await wait_until(pilot, lambda n=n: len(app.chat.sidebar.order) == n, what=f"{n} rows")
+            created.append(app.chat.current)
         for key, gone in (("f6", created[1]), ("f8", created[2])):
             await pilot.press("alt+" + str(created.index(gone) + 1))
-            assert app.current == gone
+            assert app.chat.current == gone
             await pilot.press(key)
-            await wait_until(pilot, lambda g=gone: g not in app.sidebar.order, what="it left")
-        shown = {s: row_number(app, s) for s in app.sidebar.order}
+            await wait_until(pilot, lambda g=gone: g not in app.chat.sidebar.order, what="it left")
+        shown = {s: row_number(app, s) for s in app.chat.sidebar.order}
         assert shown == {created[0]: "1", created[3]: "4"}
         await pilot.press("alt+4")
-        assert app.current == created[3]
+        assert app.chat.current == created[3]
         await new_sessions(pilot, app, 1)
-        await wait_until(pilot, lambda: len(app.sidebar.order) == 3, what="a new row")
-        newest = app.current
+        await wait_until(pilot, lambda: len(app.chat.sidebar.order) == 3, what="a new row")
+        newest = app.chat.current
         assert row_number(app, newest) == "2"  # the lowest number no listed session holds
         await pilot.press("alt+1")
-        assert app.current == created[0]
+        assert app.chat.current == created[0]
     again, _ = fake_app(store=Store(path))
     async with again.run_test(size=SIZE) as pilot:
         await ready(pilot, again)
-        shown = {s: row_number(again, s) for s in again.sidebar.order}
+        shown = {s: row_number(again, s) for s in again.chat.sidebar.order}
         assert shown == {created[0]: "1", newest: "2", created[3]: "4"}
         await pilot.press("alt+4")
-        assert again.current == created[3]
+        assert again.chat.current == created[3]
 
 
 def test_a_misspelled_key_name_is_refused_naming_the_setting_and_line(tmp_path):
@@ -92,7 +92,7 @@ async def test_the_sidebar_has_a_legend_and_help_explains_every_glyph_and_figure
     app, _ = fake_app()
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
-        assert app.sidebar.border_subtitle == LEGEND
+        assert app.chat.sidebar.border_subtitle == LEGEND
         for glyph in "█▓▒░":
             assert glyph in LEGEND
         await pilot.press("f1")
@@ -121,8 +121,8 @@ async def test_the_sidebar_has_a_legend_and_help_explains_every_glyph_and_figure
             assert words in text, words
         # a glyph means one thing: the sidebar's tier blocks appear nowhere in the meters
         await pilot.press("escape")
-        meters_text = " ".join(str(label.render()) for label in app.meters.query("Label"))
-        meters_text += " ".join(app.meters.values.values())
+        meters_text = " ".join(str(label.render()) for label in app.chat.meters.query("Label"))
+        meters_text += " ".join(app.chat.meters.values.values())
         assert "active" in meters_text and not set("█▓▒░") & set(meters_text), meters_text
 
 
@@ -157,9 +157,9 @@ async def test_meters_show_no_figures_of_a_turn_from_before_this_start(tmp_path)
     app, engine = fake_app(store=Store(tmp_path / "db.sqlite3"), manual=True, tokens_per_reply=8)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
-        await wait_until(pilot, lambda: app.current == "s1", what="the stored session")
-        await wait_until(pilot, lambda: "decode" in app.meters.values, what="meters")
-        values = app.meters.values
+        await wait_until(pilot, lambda: app.chat.current == "s1", what="the stored session")
+        await wait_until(pilot, lambda: "decode" in app.chat.meters.values, what="meters")
+        values = app.chat.meters.values
         assert values["hit-rate"].startswith("last turn —")
         assert values["ttft"] == "—"
         assert values["decode"] == "last turn —   all —", values["decode"]
@@ -173,19 +173,21 @@ async def test_meters_show_no_figures_of_a_turn_from_before_this_start(tmp_path)
         for _ in range(12):
             engine.advance(1)
             await pilot.pause()
-            app._tick_meters()
+            app.chat.frames.tick_meters()
             if app.service.session("s1").state != "idle":
-                seen.append(app.meters.values["decode"])
-                hit_rates.append(app.meters.values["hit-rate"])
+                seen.append(app.chat.meters.values["decode"])
+                hit_rates.append(app.chat.meters.values["hit-rate"])
         await wait_until(pilot, lambda: app.service.session("s1").state == "idle", what="done")
-        await wait_until(pilot, lambda: app.meters.values["ttft"] != "—", what="this turn's TTFT")
+        await wait_until(
+            pilot, lambda: app.chat.meters.values["ttft"] != "—", what="this turn's TTFT"
+        )
         assert seen and all(v.startswith("this reply ") for v in seen), seen
         assert all(not v.startswith("this reply —") for v in seen), seen
         # while the reply is on the way, the turn figures say they are of the turn before
         assert hit_rates and all(v.startswith("previous turn") for v in hit_rates), hit_rates
-        assert app.meters.values["hit-rate"].startswith("last turn ")
-        assert not app.meters.values["hit-rate"].startswith("last turn —")
-        assert app.meters.values["ttft"].startswith("last turn ")
+        assert app.chat.meters.values["hit-rate"].startswith("last turn ")
+        assert not app.chat.meters.values["hit-rate"].startswith("last turn —")
+        assert app.chat.meters.values["ttft"].startswith("last turn ")
 
 
 async def test_a_key_remapped_onto_another_actions_key_is_refused_and_reported():
@@ -195,7 +197,7 @@ async def test_a_key_remapped_onto_another_actions_key_is_refused_and_reported()
         texts = [n.message for n in app._notifications]
         assert any("quit" in t and "ctrl+n" in t and "new_session" in t for t in texts), texts
         await pilot.press("ctrl+n")  # still a new session, not quit
-        await wait_until(pilot, lambda: len(app.sidebar.order) == 1, what="a new session")
+        await wait_until(pilot, lambda: len(app.chat.sidebar.order) == 1, what="a new session")
         assert app.is_running
 
 
@@ -213,11 +215,11 @@ async def test_with_a_remote_server_the_sidebar_legend_says_what_its_rows_show()
     app, engine = fake_app()
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
-        assert app.sidebar.border_subtitle == LEGEND
+        assert app.chat.sidebar.border_subtitle == LEGEND
         remote = RemoteStats(engine={"kind": "vllm", "url": "http://127.0.0.1:1", "model": "m"})
         engine.stats = lambda: remote
         await wait_until(
-            pilot, lambda: app.sidebar.border_subtitle == REMOTE_LEGEND, what="remote legend"
+            pilot, lambda: app.chat.sidebar.border_subtitle == REMOTE_LEGEND, what="remote legend"
         )
 
 
@@ -226,14 +228,14 @@ async def test_a_long_title_keeps_every_row_three_lines_current_or_not():
     async with app.run_test(size=(100, 30)) as pilot:
         await ready(pilot, app)
         await new_sessions(pilot, app, 2)
-        await wait_until(pilot, lambda: len(app.sidebar.order) == 2, what="two rows")
-        first, second = app.sidebar.order
+        await wait_until(pilot, lambda: len(app.chat.sidebar.order) == 2, what="two rows")
+        first, second = app.chat.sidebar.order
         app.service.rename(first, "a title long enough to wrap in the sidebar")
         app.service.rename(second, "another title long enough to wrap there")
-        await app.refresh_sessions()
+        await app.chat.refresh_sessions()
         for target in (first, second, first):
-            await pilot.press(f"alt+{app.views[target].number}")
-            await wait_until(pilot, lambda t=target: app.current == t, what="switched")
+            await pilot.press(f"alt+{app.chat.views[target].number}")
+            await wait_until(pilot, lambda t=target: app.chat.current == t, what="switched")
             await pilot.pause()
-            heights = [row.size.height for row in app.sidebar.rows().values()]
+            heights = [row.size.height for row in app.chat.sidebar.rows().values()]
             assert heights == [3, 3], heights

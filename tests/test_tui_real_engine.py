@@ -47,15 +47,15 @@ async def test_reply_streams_and_follow_up_turn_hits_the_cache(tiny_llama_dir):
         await ready(pilot, app)
         assert progress == ["called"]
         streamed: list[tuple[str, int]] = []  # (state of the reply, characters shown) per flush
-        append = app.transcript.append
+        append = app.chat.transcript.append
 
         async def watching_append(chunk):
             ok = await append(chunk)
-            block = app.transcript.block(chunk.message_id)
+            block = app.chat.transcript.block(chunk.message_id)
             streamed.append((str(block.message.state), block.shown))
             return ok
 
-        app.transcript.append = watching_append
+        app.chat.transcript.append = watching_append
         await pilot.press(*"hello there", "enter")
         await wait_until(
             pilot,
@@ -63,7 +63,7 @@ async def test_reply_streams_and_follow_up_turn_hits_the_cache(tiny_llama_dir):
             60,
             "the first reply",
         )
-        assert transcript_texts(app)[-1][2] == app.service.messages(app.current)[-1].content
+        assert transcript_texts(app)[-1][2] == app.service.messages(app.chat.current)[-1].content
         growing = [shown for state, shown in streamed if state == "streaming"]
         assert len(growing) >= 2 and growing == sorted(growing), streamed
 
@@ -74,10 +74,10 @@ async def test_reply_streams_and_follow_up_turn_hits_the_cache(tiny_llama_dir):
             60,
             "the follow-up reply",
         )
-        app._tick_meters()
-        shown = app.meters.values["hit-rate"]
+        app.chat.frames.tick_meters()
+        shown = app.chat.meters.values["hit-rate"]
         last, overall = (int(x) for x in re.findall(r"(\d+)%", shown))
         assert last > 0 and overall > 0, shown
-        assert app.views[app.current].last_turn.cached_tokens.total > 0
-        pages = app.meters.values["pages"]
+        assert app.chat.views[app.chat.current].last_turn.cached_tokens.total > 0
+        pages = app.chat.meters.values["pages"]
         assert re.search(r"\d+/[1-9]\d*/\d+", pages), pages  # cached pages on the device

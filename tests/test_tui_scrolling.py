@@ -31,7 +31,7 @@ async def test_page_keys_scroll_the_transcript_while_the_composer_keeps_the_focu
     app, _ = fake_app(store=Store(tmp_path / "db.sqlite3"))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
-        transcript = app.transcript
+        transcript = app.chat.transcript
         await wait_until(
             pilot,
             lambda: transcript.max_scroll_y > 0 and transcript.scroll_y == transcript.max_scroll_y,
@@ -51,4 +51,4 @@ async def test_page_keys_scroll_the_transcript_while_the_composer_keeps_the_focu
             pilot, lambda: transcript.scroll_y == transcript.max_scroll_y, what="the end"
         )
         assert transcript.following
-        assert app.focused is app.composer and app.composer.text == "half a thought"
+        assert app.focused is app.chat.composer and app.chat.composer.text == "half a thought"

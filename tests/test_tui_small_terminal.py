@@ -19,8 +19,8 @@ async def test_every_footer_key_fits_in_100_columns() -> None:
     async with app.run_test(size=SMALL) as pilot:
         await ready(pilot, app)
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: app.current is not None, what="a session")
-        keys = list(app.query_one(Footer).query(FooterKey))
+        await wait_until(pilot, lambda: app.chat.current is not None, what="a session")
+        keys = list(app.chat.query_one(Footer).query(FooterKey))
         assert len(keys) >= 8
         # the meters' key too: at this width they give their room to the transcript
         assert "Meters" in [key.description for key in keys]
@@ -34,21 +34,21 @@ async def test_the_meters_key_shows_them_on_a_small_screen_and_hides_them_on_a_w
     app, _ = fake_app()
     async with app.run_test(size=SMALL) as pilot:
         await ready(pilot, app)
-        assert not app.meters.display or app.meters.region.width == 0
+        assert not app.chat.meters.display or app.chat.meters.region.width == 0
         await pilot.press("f7")
-        await wait_until(pilot, lambda: app.meters.region.width > 0, what="the meters shown")
-        assert app.sidebar.region.width == 0  # in the sidebar's place
-        assert app.transcript.region.width >= 60
+        await wait_until(pilot, lambda: app.chat.meters.region.width > 0, what="the meters shown")
+        assert app.chat.sidebar.region.width == 0  # in the sidebar's place
+        assert app.chat.transcript.region.width >= 60
         await pilot.press("f7")
-        await wait_until(pilot, lambda: app.sidebar.region.width > 0, what="the sidebar back")
-        assert app.meters.region.width == 0
+        await wait_until(pilot, lambda: app.chat.sidebar.region.width > 0, what="the sidebar back")
+        assert app.chat.meters.region.width == 0
     app, _ = fake_app()
     async with app.run_test(size=WIDE) as pilot:
         await ready(pilot, app)
-        assert app.meters.region.width > 0
+        assert app.chat.meters.region.width > 0
         await pilot.press("f7")
-        await wait_until(pilot, lambda: app.meters.region.width == 0, what="the meters hidden")
-        assert app.sidebar.region.width > 0
+        await wait_until(pilot, lambda: app.chat.meters.region.width == 0, what="the meters hidden")
+        assert app.chat.sidebar.region.width > 0
 
 
 async def test_a_notice_does_not_cover_the_composer() -> None:
@@ -63,7 +63,7 @@ async def test_a_notice_does_not_cover_the_composer() -> None:
             return bool(toasts)
 
         await wait_until(pilot, shown, what="the notice")
-        composer = app.composer.region
+        composer = app.chat.composer.region
         assert all(not toast.region.overlaps(composer) for toast in toasts), (
             [t.region for t in toasts],
             composer,
@@ -94,11 +94,11 @@ async def test_the_first_run_hint_wraps_and_the_legend_fits_the_sidebar() -> Non
     app, _ = fake_app()
     async with app.run_test(size=SMALL) as pilot:
         await ready(pilot, app)
-        hints = [w for w in app.transcript.query(Label) if w.has_class("empty")]
+        hints = [w for w in app.chat.transcript.query(Label) if w.has_class("empty")]
         assert hints
         for hint in hints:
-            assert hint.region.right <= app.transcript.region.right
+            assert hint.region.right <= app.chat.transcript.region.right
             text = str(hint.render())
             assert hint.region.width * hint.region.height >= len(text), (text, hint.region)
         # "╰─ " + legend + " ─╯" within the sidebar's width
-        assert len(LEGEND) + 6 <= app.sidebar.region.width
+        assert len(LEGEND) + 6 <= app.chat.sidebar.region.width

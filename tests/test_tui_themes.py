@@ -102,7 +102,7 @@ async def test_the_panels_are_drawn_with_the_themes_panel_border():
     async with app.run_test(size=(150, 45)) as pilot:
         await ready(pilot, app)
         expected = Color.parse(panel_border(app.get_css_variables()))
-        for panel in (app.sidebar, app.transcript, app.meters):
+        for panel in (app.chat.sidebar, app.chat.transcript, app.chat.meters):
             assert panel.styles.border_top[1] == expected
 
 

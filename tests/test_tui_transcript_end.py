@@ -47,12 +47,12 @@ def store_long_session(path: Path) -> None:
 
 
 def in_view(app: KvchatApp, block: MessageBlock) -> bool:
-    return app.transcript.can_view_entire(block)
+    return app.chat.transcript.can_view_entire(block)
 
 
 def last_turn_shown_finished(app: KvchatApp, text: str) -> bool:
     """The message `text` and its finished reply are the last blocks, both wholly in view."""
-    blocks = app.transcript.blocks()
+    blocks = app.chat.transcript.blocks()
     return (
         len(blocks) >= 2
         and blocks[-2].message.content == text
@@ -67,7 +67,7 @@ async def started_on_the_long_session(pilot, app: KvchatApp) -> None:
     await ready(pilot, app)
     await wait_until(
         pilot,
-        lambda: app.current == "s1" and len(app.transcript.blocks()) == 2 * PAIRS,
+        lambda: app.chat.current == "s1" and len(app.chat.transcript.blocks()) == 2 * PAIRS,
         what="the stored session rendered",
     )
 
@@ -77,10 +77,10 @@ async def test_a_start_shows_the_end_of_a_session_longer_than_the_screen(tmp_pat
     app, _ = fake_app(store=Store(tmp_path / "db.sqlite3"))
     async with app.run_test(size=SIZE) as pilot:
         await started_on_the_long_session(pilot, app)
-        last = app.transcript.blocks()[-1]
+        last = app.chat.transcript.blocks()[-1]
         await wait_until(pilot, lambda: in_view(app, last), what="the last answer in view")
-        assert app.transcript.max_scroll_y > 0  # longer than the view: it had to scroll
-        assert not in_view(app, app.transcript.blocks()[0])
+        assert app.chat.transcript.max_scroll_y > 0  # longer than the view: it had to scroll
+        assert not in_view(app, app.chat.transcript.blocks()[0])
 
 
 async def test_a_message_sent_after_scrolling_up_is_shown_finished_with_its_reply(tmp_path):
@@ -88,7 +88,7 @@ async def test_a_message_sent_after_scrolling_up_is_shown_finished_with_its_repl
     app, engine = fake_app(store=Store(tmp_path / "db.sqlite3"), manual=True, tokens_per_reply=24)
     async with app.run_test(size=SIZE) as pilot:
         await started_on_the_long_session(pilot, app)
-        transcript = app.transcript
+        transcript = app.chat.transcript
         for turn in range(3):
             # the user reads earlier messages, then sends one: it must come into view
             transcript.scroll_home(animate=False)
@@ -117,7 +117,7 @@ async def test_a_message_drawn_and_its_first_text_flushed_before_a_layout_come_i
         await wait_until(pilot, lambda: not [w for w in app.workers if w.group == "focus"])
         await pilot.pause()
         assert app.service is not None
-        transcript = app.transcript
+        transcript = app.chat.transcript
         messages = app.service.messages("s1")
         for turn in range(3):
             transcript.scroll_home(animate=False)  # the user reads earlier messages
@@ -146,7 +146,7 @@ async def test_a_streaming_reply_is_followed_until_the_user_scrolls_up_and_again
     )
     async with app.run_test(size=SIZE) as pilot:
         await started_on_the_long_session(pilot, app)
-        transcript = app.transcript
+        transcript = app.chat.transcript
         await pilot.press(*"tell me a lot", "enter")
         engine.advance(60)
         await wait_until(

@@ -37,19 +37,19 @@ async def test_a_paste_is_drafted_and_the_border_fills_then_send_ends_it():
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: app.current is not None, what="a session")
-        app.composer.insert(PASTE)
+        await wait_until(pilot, lambda: app.chat.current is not None, what="a session")
+        app.chat.composer.insert(PASTE)
         await wait_until(pilot, lambda: len(engine.drafts) == 1, what="the paste is drafted")
         await wait_until(
             pilot,
-            lambda: app.composer.border_subtitle == "0 tokens ready",
+            lambda: app.chat.composer.border_subtitle == "0 tokens ready",
             what="the border shows the draft, nothing computed yet",
         )
         engine.advance(1)  # the fake engine computes the draft whole in one step
         total = len(engine.drafts[0])
         await wait_until(
             pilot,
-            lambda: app.composer.border_subtitle == f"{total:,} tokens ready",
+            lambda: app.chat.composer.border_subtitle == f"{total:,} tokens ready",
             what="the border shows the draft ready",
         )
         await pilot.press(*"Why?")
@@ -57,7 +57,9 @@ async def test_a_paste_is_drafted_and_the_border_fills_then_send_ends_it():
         await wait_until(pilot, lambda: len(engine.submitted) == 1, what="the message is sent")
         assert engine.submitted[0].prompt_ids[:total] == engine.drafts[-1][:total]
         await wait_until(
-            pilot, lambda: app.composer.border_subtitle is None, what="the draft indicator clears"
+            pilot,
+            lambda: app.chat.composer.border_subtitle is None,
+            what="the draft indicator clears",
         )
         engine.advance(10)
 
@@ -67,16 +69,16 @@ async def test_switching_away_cancels_the_draft_and_the_text_stays_with_its_sess
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
         await new_sessions(pilot, app, 2)
-        await wait_until(pilot, lambda: len(app.sidebar.order) == 2, what="two sessions")
-        first = app.current
-        app.composer.insert("a question being typed")
+        await wait_until(pilot, lambda: len(app.chat.sidebar.order) == 2, what="two sessions")
+        first = app.chat.current
+        app.chat.composer.insert("a question being typed")
         await wait_until(pilot, lambda: len(engine.drafts) == 1, what="drafted")
         await pilot.press("alt+down")
-        await wait_until(pilot, lambda: app.current != first, what="switched")
+        await wait_until(pilot, lambda: app.chat.current != first, what="switched")
         await wait_until(pilot, lambda: engine.cancelled_ids, what="the draft is cancelled")
-        assert app.composer.text == ""  # the other session's box: its own, empty
+        assert app.chat.composer.text == ""  # the other session's box: its own, empty
         await pilot.press("alt+up")
-        await wait_until(pilot, lambda: app.current == first, what="back")
-        assert app.composer.text == "a question being typed"
+        await wait_until(pilot, lambda: app.chat.current == first, what="back")
+        assert app.chat.composer.text == "a question being typed"
         await wait_until(pilot, lambda: len(engine.drafts) == 2, what="drafted again")
         assert engine.drafts[0] == engine.drafts[1]  # the same text into the same session

@@ -15,17 +15,17 @@ async def test_typed_text_stays_with_its_session_across_switches_and_a_restart(t
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
         await new_sessions(pilot, app, 2)
-        await wait_until(pilot, lambda: len(app.sidebar.order) == 2, what="two rows")
-        first, second = app.sidebar.order
+        await wait_until(pilot, lambda: len(app.chat.sidebar.order) == 2, what="two rows")
+        first, second = app.chat.sidebar.order
         await pilot.press("alt+1")
         await pilot.press(*"for one")
         await pilot.press("alt+2")
-        assert app.current == second and app.composer.text == ""  # not the other's text
+        assert app.chat.current == second and app.chat.composer.text == ""  # not the other's text
         await pilot.press(*"for two")
         await pilot.press("alt+1")
-        assert app.composer.text == "for one"
+        assert app.chat.composer.text == "for one"
         await pilot.press("alt+2")
-        assert app.composer.text == "for two"
+        assert app.chat.composer.text == "for two"
         await pilot.press("enter")  # sent to the second session only
         await wait_until(pilot, lambda: app.service.messages(second), what="the message")
         said = [m.content for m in app.service.messages(second) if m.role == "user"]
@@ -37,6 +37,6 @@ async def test_typed_text_stays_with_its_session_across_switches_and_a_restart(t
     async with again.run_test(size=SIZE) as pilot:
         await ready(pilot, again)
         await pilot.press("alt+1")
-        assert again.composer.text == "for one more"  # kept by the quit
+        assert again.chat.composer.text == "for one more"  # kept by the quit
         await pilot.press("alt+2")
-        assert again.composer.text == ""  # sent, so nothing is left to restore
+        assert again.chat.composer.text == ""  # sent, so nothing is left to restore

@@ -34,7 +34,7 @@ import tui_throughput
 
 from kvchat.native import build
 from kvchat.tui.app import GIL_SWITCH_INTERVAL_S
-from kvchat.tui.refresh_pump import FLUSH_HZ
+from kvchat.tui.frame_pump import FLUSH_HZ
 
 _BUFFER = b"x" * (1 << 20)  # hashlib releases the GIL for inputs over 2 KiB
 

@@ -83,7 +83,10 @@ def fake_app(
 
 async def ready(pilot, app: KvchatApp) -> None:
     await wait_until(
-        pilot, lambda: app.serving and app.focused is app.composer, 20, "start-up to end"
+        pilot,
+        lambda: app.chat is not None and app.chat.serving and app.focused is app.chat.composer,
+        20,
+        "start-up to end",
     )
 
 
@@ -93,6 +96,6 @@ async def new_sessions(pilot, app: KvchatApp, count: int) -> list[str]:
     does not make two). Returns their ids in creation order."""
     made = []
     for _ in range(count):
-        made.append(await app.open_new_session())
+        made.append(await app.chat.open_new_session())
         await pilot.pause()
     return made

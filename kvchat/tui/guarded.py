@@ -1,4 +1,4 @@
-"""`guarded`: an app action that fails shows a notification, never a traceback.
+"""`guarded`: an action or handler that fails shows a notification, never a traceback.
 
 A `KvchatError` (a user's mistake or a known failure) is shown as its message;
 anything else is logged to the error log and reported in one line saying where.
@@ -11,14 +11,17 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvchat.chat.error_log import log_exception
 from kvchat.errors import KvchatError
 from kvchat.paths import app_paths
 
-if TYPE_CHECKING:
-    from kvchat.tui.app import KvchatApp
+
+class Notifier(Protocol):
+    """What shows the notification: the app, or a screen (which shows it through the app)."""
+
+    def notify(self, message: str, *, severity: Any = ..., timeout: float | None = ...) -> None: ...
 
 
 def log_failure(exc: Exception, what: str) -> None:
@@ -27,7 +30,7 @@ def log_failure(exc: Exception, what: str) -> None:
         log_exception(f"TUI action {what} failed")
 
 
-def notify_failure(app: KvchatApp, exc: Exception) -> None:
+def notify_failure(app: Notifier, exc: Exception) -> None:
     """A `KvchatError`'s message, else one line saying where the details were logged."""
     if isinstance(exc, KvchatError):
         app.notify(str(exc), severity="error")
@@ -41,14 +44,14 @@ def notify_failure(app: KvchatApp, exc: Exception) -> None:
 def guarded(method: Callable[..., Any]) -> Callable[..., Any]:
     """Show a `KvchatError` as a notification; log anything else and say where the log is."""
 
-    def report(app: KvchatApp, exc: Exception) -> None:
+    def report(app: Notifier, exc: Exception) -> None:
         log_failure(exc, method.__name__)
         notify_failure(app, exc)
 
     if inspect.iscoroutinefunction(method):
 
         @functools.wraps(method)
-        async def run_async(self: KvchatApp, *args: Any, **kwargs: Any) -> Any:
+        async def run_async(self: Notifier, *args: Any, **kwargs: Any) -> Any:
             try:
                 return await method(self, *args, **kwargs)
             except Exception as exc:
@@ -58,7 +61,7 @@ def guarded(method: Callable[..., Any]) -> Callable[..., Any]:
         return run_async
 
     @functools.wraps(method)
-    def run(self: KvchatApp, *args: Any, **kwargs: Any) -> Any:
+    def run(self: Notifier, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
         except Exception as exc:

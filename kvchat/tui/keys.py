@@ -53,6 +53,15 @@ APP_KEYS: tuple[KeySpec, ...] = (
     KeySpec("quit", "ctrl+q", "quit", "Quit", show=True),
 )
 
+# The app's own: quit works on every screen (a dialog's too), and Textual adds a palette
+# key of its own to an app that binds none. The chat screen binds every key, quit first:
+# the footer lists a screen's keys in its order, and quit follows the composer's there.
+GLOBAL_KEYS: tuple[KeySpec, ...] = tuple(s for s in APP_KEYS if s.id in ("quit", "command_palette"))
+CHAT_KEYS: tuple[KeySpec, ...] = (
+    *(s for s in APP_KEYS if s.id == "quit"),
+    *(s for s in APP_KEYS if s.id != "quit"),
+)
+
 COMPOSER_KEYS: tuple[KeySpec, ...] = (
     KeySpec("send", "enter", "send", "Send", show=True),
     KeySpec("newline", "shift+enter,ctrl+j", "newline", "Newline"),

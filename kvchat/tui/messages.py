@@ -1,25 +1,20 @@
-"""The messages worker threads post to the app: start-up, service events, residencies.
+"""The messages threads post to the UI, each named for what the UI does with it.
 
-Threads never touch a widget (harlequin's rule); they post one of these and the
-app handles it on the UI thread.
+Threads never touch a widget (harlequin's rule); they post one of these and a screen
+or the app handles it on the UI thread. Start-up and model switching go to the app,
+which owns the backend; everything about the sessions goes to the chat screen.
+How each service event becomes one of these: `service_events`.
 """
 
 from __future__ import annotations
 
 from textual.message import Message
 
-from kvchat.chat.events import ChatEvent
 from kvchat.chat.service import SessionService
 from kvchat.engine.api import Residency
 from kvchat.tui.backend import ModelChoice, TuiBackend
 
-
-class ServiceEvent(Message):
-    """A service event (not a reply delta), marshalled to the UI thread."""
-
-    def __init__(self, event: ChatEvent) -> None:
-        super().__init__()
-        self.event = event
+# ------------------------------------------------------------------ start-up (to the app)
 
 
 class StartProgress(Message):
@@ -43,22 +38,6 @@ class StartFailed(Message):
         self.exit_code = exit_code  # 2: bad input (an option or a setting), as the CLI's
 
 
-class ResidencyReady(Message):
-    def __init__(self, residencies: dict[str, Residency]) -> None:
-        super().__init__()
-        self.residencies = residencies
-
-
-class SendFailed(Message):
-    """The sender thread could not send the composer's message (its text comes back)."""
-
-    def __init__(self, text: str, editing: bool, error: Exception) -> None:
-        super().__init__()
-        self.text = text
-        self.editing = editing
-        self.error = error
-
-
 class ModelsListed(Message):
     """The models the picker offers, listed off the UI thread (it reads their files)."""
 
@@ -74,3 +53,85 @@ class BackendSwitched(Message):
         super().__init__()
         self.backend = backend
         self.name = name
+
+
+# --------------------------------------------------------- the sessions (to the chat screen)
+
+
+class ResidencyReady(Message):
+    """Where the listed sessions' pages live, read off the UI thread; shown at the next tick."""
+
+    def __init__(self, residencies: dict[str, Residency]) -> None:
+        super().__init__()
+        self.residencies = residencies
+
+
+class SendFailed(Message):
+    """The sender thread could not send the composer's message (its text comes back)."""
+
+    def __init__(self, text: str, editing: bool, error: Exception) -> None:
+        super().__init__()
+        self.text = text
+        self.editing = editing
+        self.error = error
+
+
+class ShowTokensReady(Message):
+    """A session's draft moved: the composer's "N tokens ready" (None: no draft)."""
+
+    def __init__(self, session_id: str, label: str | None) -> None:
+        super().__init__()
+        self.session_id = session_id
+        self.label = label
+
+
+class ShowSaveFailure(Message):
+    """Writing to the session database failed: the banner says so until it works again."""
+
+    def __init__(self, error: str, unsaved_messages: int) -> None:
+        super().__init__()
+        self.error = error
+        self.unsaved_messages = unsaved_messages
+
+
+class ClearSaveFailure(Message):
+    """Saving works again: the banner goes, a notice says every message is stored."""
+
+
+class RelistSessions(Message):
+    """A session was created, archived, deleted or brought back: the sidebar is rebuilt."""
+
+
+class ReportSessionFailure(Message):
+    """A session's turn could not start: a notification names the session."""
+
+    def __init__(self, session_id: str, text: str) -> None:
+        super().__init__()
+        self.session_id = session_id
+        self.text = text
+
+
+class ShowSessionNotice(Message):
+    """Something to tell about a session: a notification if it is the one shown."""
+
+    def __init__(self, session_id: str, text: str) -> None:
+        super().__init__()
+        self.session_id = session_id
+        self.text = text
+
+
+class RedrawSession(Message):
+    """A session's title, messages or state changed: its row, and its transcript if shown."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__()
+        self.session_id = session_id
+
+
+class FinishReply(Message):
+    """A reply ended: its last text is flushed, the transcript and the meters catch up."""
+
+    def __init__(self, session_id: str, message_id: str) -> None:
+        super().__init__()
+        self.session_id = session_id
+        self.message_id = message_id
