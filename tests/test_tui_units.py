@@ -54,3 +54,38 @@ def test_attachment_is_fenced_text_and_binary_files_are_refused(tmp_path):
         attachment_text(blob)
     with pytest.raises(KvchatError, match="cannot read"):
         attachment_text(tmp_path / "missing.txt")
+
+
+def test_each_service_event_kind_becomes_the_message_for_its_effect_and_text_is_buffered():
+    import typing
+
+    from kvchat.chat import events as ev
+    from kvchat.tui import messages as ui
+    from kvchat.tui.service_events import relay_to
+
+    samples = {
+        ev.SessionCreated: (ev.SessionCreated("s"), ui.RelistSessions),
+        ev.SessionArchived: (ev.SessionArchived("s", True), ui.RelistSessions),
+        ev.SessionDeleted: (ev.SessionDeleted("s", True), ui.RelistSessions),
+        ev.SessionRenamed: (ev.SessionRenamed("s", "t"), ui.RedrawSession),
+        ev.SessionChanged: (ev.SessionChanged("s"), ui.RedrawSession),
+        ev.ReplyStarted: (ev.ReplyStarted("s", "m", 1), ui.RedrawSession),
+        ev.ReplyFinished: (ev.ReplyFinished("s", "m", 1, "hi", None), ui.FinishReply),
+        ev.SessionNotice: (ev.SessionNotice("s", "note"), ui.ShowSessionNotice),
+        ev.SessionFailed: (ev.SessionFailed("s", "no room"), ui.ReportSessionFailure),
+        ev.DraftChanged: (ev.DraftChanged("s", 1200, 1500), ui.ShowTokensReady),
+        ev.SaveFailed: (ev.SaveFailed("disk full", 3), ui.ShowSaveFailure),
+        ev.SaveRecovered: (ev.SaveRecovered(), ui.ClearSaveFailure),
+    }
+    assert set(samples) | {ev.ReplyDelta} == set(typing.get_args(ev.ChatEvent))
+    buffer, posted = StreamBuffer(), []
+    relay = relay_to(buffer, posted.append)
+    for event, message_type in samples.values():
+        relay(event)
+        assert type(posted[-1]) is message_type, type(event).__name__
+    assert posted[[type(m) for m in posted].index(ui.ShowTokensReady)].label == "1,200 tokens ready"
+    count = len(posted)
+    relay(ev.ReplyDelta("s", "m", "hello", (1, 2)))
+    assert len(posted) == count  # reply text is never a message: the frame pump shows it
+    [chunk] = buffer.take("s")
+    assert chunk.text == "hello"
