@@ -31,6 +31,11 @@ def default_tokenizer(default_gguf_path):
 
 # family -> what the file must say of it once read back (its config, the folder's)
 FAMILIES = {
+    # llama.cpp's fixed pattern (five windowed layers to one global), both rotary bases
+    "gemma3_text": lambda c, hf: (
+        (c.layer_windows, c.rope_theta, c.local_rope_theta, c.query_pre_attn_scalar)
+        == (hf.layer_windows, hf.rope_theta, hf.local_rope_theta, hf.query_pre_attn_scalar)
+    ),
     "qwen3": lambda c, _: c.qk_norm and c.head_dim == 32,  # head_dim from key_length
     "smollm3": lambda c, _: c.rope_layers == (True, True, True, False),  # llama.cpp's fixed 4
     # expert counts from the metadata; llama.cpp renormalizes the chosen experts' weights
@@ -45,6 +50,10 @@ FAMILIES = {
 # the context each family runs in here: Phi-3's short LongRoPE set, as transformers uses
 # for a prompt this short (tests/test_model_phi3.py)
 CONTEXT = {"phi3": PHI3_ORIGINAL_CONTEXT}
+# Q8_0's rounding moves the tiny Gemma's logits by 0.13 in transformers itself (its weights
+# rounded the same way: six layers of scaled-up random weights amplify it); the f32 file
+# is the exact check
+Q8_TOLERANCE = {"gemma3_text": 0.2}
 # llama.cpp's qwen3moe has no dense layers (the converter refuses mlp_only_layers)
 FOLDER_OPTIONS = {"qwen3_moe": {"mlp_only_layers": []}}
 
@@ -96,6 +105,8 @@ def test_a_gguf_from_llama_cpps_converter_gives_transformers_logits(
         0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(1)
     )
     error = rel_err(kvchat_logits(model, ids.tolist(), paged=True), hf_logits(folder, ids))
+    if outtype == "q8_0":
+        tolerance = Q8_TOLERANCE.get(family, tolerance)
     assert error < tolerance, error
     # the file's vocabulary and template: the prompt renders as the folder's does
     folder_model = load_model(str(folder), dtype="float32", device="cpu")

@@ -38,6 +38,10 @@ PHI3_ROPE = dict(
 )
 
 
+# Gemma 3's window, scaled down from 512 (1B) and 1,024 (4B and up)
+GEMMA3_WINDOW = 16
+
+
 def overrides_of(names: tuple[str, ...], shapes: dict) -> dict:
     """The family options among a caller's overrides (taken out of `shapes`)."""
     return {name: shapes.pop(name) for name in names if name in shapes}
@@ -52,9 +56,11 @@ def write_tiny_model(
     with_tokenizer: bool = True,
     **overrides,
 ) -> Path:
-    """Write a tiny random model of `family` ("llama", "llama3", "phi3", "qwen2", "qwen3",
-    "qwen3_moe", "smollm3") into `folder`."""
+    """Write a tiny random model of `family` ("gemma3_text", "llama", "llama3", "phi3",
+    "qwen2", "qwen3", "qwen3_moe", "smollm3") into `folder`."""
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         Phi3Config,
@@ -106,6 +112,19 @@ def write_tiny_model(
             **routing,
         )
         model = Qwen3MoeForCausalLM(config)
+    elif family == "gemma3_text":
+        # Gemma 3 1B's pattern (five windowed layers, then a global one) with a window of
+        # GEMMA3_WINDOW tokens, so short prompts outgrow it
+        scalar = {"query_pre_attn_scalar": 16, **overrides_of(("query_pre_attn_scalar",), shapes)}
+        config = Gemma3TextConfig(
+            **{"head_dim": 16, **shapes, "num_hidden_layers": 6},
+            sliding_window=GEMMA3_WINDOW,
+            **scalar,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        model = Gemma3ForCausalLM(config)
     elif family == "qwen2":
         config = Qwen2Config(**shapes, tie_word_embeddings=True, rope_theta=1_000_000.0)
         model = Qwen2ForCausalLM(config)
@@ -133,6 +152,12 @@ def write_tiny_model(
         for name, p in model.named_parameters():  # q/k norms start at ones: make them count
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)
+            elif family == "gemma3_text" and name == "model.norm.weight":
+                # the last norm feeds the tied head: a factor of ~15 makes the logits peaked
+                # enough that greedy text means something (llama-server's agrees with it)
+                p.uniform_(10.0, 20.0)
+            elif family == "gemma3_text" and name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)  # Gemma's start at zeros (a factor of 1 + w)
     model.save_pretrained(folder, safe_serialization=True)
     if with_tokenizer:
         from tests.tiny_tokenizers import write_tiny_tokenizer

@@ -102,7 +102,10 @@ class Engine:
         self.tokenizer = model.tokenizer
         mc = model.config
         self.attention_kind = resolve_attention(
-            self.config.attention, self.transformer.device, self.config.kv_format
+            self.config.attention,
+            self.transformer.device,
+            self.config.kv_format,
+            windowed=mc.layer_windows is not None,
         )
         self.max_context = min(
             mc.max_position_embeddings,

@@ -63,10 +63,30 @@ class Attention(Protocol):
     """Where K/V are stored and how queries read them; one call per layer per forward."""
 
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> attention output [T, Hq, D]."""
+        """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> attention output [T, Hq, D].
+
+        `window`: each query sees only the last `window` positions up to its own (a
+        sliding-window layer); None: all of them. Layers without a window leave it out."""
         ...
+
+
+def window_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """[n, L] True where a query at its position sees a key at its: causal and, with a
+    window, no further back than `window - 1` positions (transformers' sliding window)."""
+    seen = key_positions[None, :] <= query_positions[:, None]
+    if window is not None:
+        seen &= key_positions[None, :] > query_positions[:, None] - window
+    return seen
 
 
 class NoCacheAttention:
@@ -79,15 +99,28 @@ class NoCacheAttention:
     def __init__(self, batch: ForwardBatch):
         self.batch = batch
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        window: int | None = None,
+    ):
         out = torch.empty_like(q)
         start = 0
         for n in self.batch.query_lens:
             qs = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
             ks = k[start : start + n].transpose(0, 1)  # [Hkv, n, D]
             vs = v[start : start + n].transpose(0, 1)
+            if window is None or n <= window:
+                mask, causal = None, True
+            else:
+                positions = torch.arange(n, device=q.device)
+                mask, causal = window_mask(positions, positions, window), False
             o = torch.nn.functional.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, enable_gqa=True
+                qs, ks, vs, attn_mask=mask, is_causal=causal, enable_gqa=True
             )
             out[start : start + n] = o.transpose(0, 1)
             start += n

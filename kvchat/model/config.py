@@ -7,7 +7,10 @@ SmolLM3 leaves rotary out of every fourth layer (`rope_layers`); models that att
 within a window (`sliding_window`) run with their context capped at it; Phi-3 / Phi-4-mini fuse
 q/k/v and gate/up in their files (split on load, `fused_weights`), rotate only part of
 each head (`partial_rotary_factor`) and scale rotary by LongRoPE's per-frequency factors;
-Qwen3-MoE replaces the feed-forward of its sparse layers by experts (`num_experts`).
+Qwen3-MoE replaces the feed-forward of its sparse layers by experts (`num_experts`);
+Gemma 3 attends within a window in five layers of six (`layer_windows`) with a rotary
+base of their own, normalizes with (1 + w) before and after attention and the
+feed-forward, scales its embeddings and queries and feeds forward through GELU (`gemma`).
 Anything else is refused here, with a message, before any weight is read.
 """
 
@@ -21,11 +24,14 @@ from typing import Any
 
 from kvchat.errors import ModelLoadError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3")
+SUPPORTED_MODEL_TYPES = (
+    "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3"
+)  # fmt: skip
 SUPPORTED_FAMILIES = (
-    "Llama 2/3.x, Mistral, Phi-3 / Phi-4-mini, Qwen2/2.5, Qwen3 (dense and MoE), SmolLM2, "
-    "SmolLM3, TinyLlama"
+    "Gemma 3 (text), Llama 2/3.x, Mistral, Phi-3 / Phi-4-mini, Qwen2/2.5, Qwen3 (dense and "
+    "MoE), SmolLM2, SmolLM3, TinyLlama"
 )
+GEMMA3 = "gemma3_text"
 
 
 @dataclass(frozen=True)
@@ -76,8 +82,26 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Gemma 3: each layer's attention window (None: the whole context), the rotary base of
+    # the windowed layers, the query scale's denominator (transformers' scaling is
+    # query_pre_attn_scalar ** -0.5) and the logits' tanh soft cap, where set
+    layer_windows: tuple[int | None, ...] | None = None
+    local_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma 3's layer: (1 + w) norms around attention and the feed-forward, GELU,
+        embeddings scaled by sqrt(hidden)."""
+        return self.model_type == GEMMA3
+
+    def layer_window(self, index: int) -> int | None:
+        """The tokens layer `index` attends to back from each query (itself included);
+        None: all of them."""
+        return None if self.layer_windows is None else self.layer_windows[index]
 
     @property
     def q_size(self) -> int:
@@ -112,7 +136,7 @@ class ModelConfig:
                 f"Unsupported architecture {archs[0]!r} (model_type {model_type!r}). kvchat runs "
                 f"{SUPPORTED_FAMILIES}. Pick a model of one of those with --model."
             )
-        window = _sliding_window(raw, model_type)
+        window = None if model_type == GEMMA3 else _sliding_window(raw, model_type)
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -130,7 +154,7 @@ class ModelConfig:
             )
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            return cls(
+            fields: dict[str, Any] = dict(
                 model_type=model_type,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
@@ -145,7 +169,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
                 rope_scaling=_rope_scaling(scaling, max_positions, original),
-                qk_norm=model_type in ("qwen3", "qwen3_moe"),
+                qk_norm=model_type in ("qwen3", "qwen3_moe", GEMMA3),
                 rope_layers=_rope_layers(raw, model_type),
                 partial_rotary_factor=float(partial),
                 sliding_window=window,
@@ -153,6 +177,9 @@ class ModelConfig:
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
+            if model_type == GEMMA3:  # its own rotary per layer type, tied by default
+                fields.update(_gemma3(raw))
+            return cls(**fields)
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(
                 f"config.json is missing or has a bad value for {exc}; the model folder "
@@ -184,6 +211,58 @@ def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
     if not switch or window >= int(raw.get("max_position_embeddings", 4096)):
         return None
     return window
+
+
+def _gemma3(raw: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's fields, as transformers reads them: `layer_types` (else every sixth
+    layer global, `sliding_window_pattern`), a rotary table per layer type (transformers
+    5's `rope_parameters` by type, or `rope_theta`, `rope_local_base_freq` and a
+    `rope_scaling` that applies to the global layers only)."""
+    if raw.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(
+            "This Gemma caps its attention scores (attn_logit_softcapping), as Gemma 2 does; "
+            "kvchat runs Gemma 3, which does not. Pick a Gemma 3 model with --model."
+        )
+    activation = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(
+            f"This Gemma feeds forward through {activation!r}; kvchat runs Gemma 3's "
+            "gelu_pytorch_tanh. The config looks edited: re-download the model."
+        )
+    layers = int(raw["num_hidden_layers"])
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = int(raw.get("sliding_window_pattern") or 6)
+        types = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
+        ]
+    if len(types) != layers:
+        raise ModelLoadError(
+            f"config.json's layer_types has {len(types)} entries for {layers} layers; the model "
+            "folder looks damaged. Re-download it."
+        )
+    window = raw.get("sliding_window")
+    windows = tuple(
+        int(window) if kind == "sliding_attention" and window else None for kind in types
+    )
+    rope = raw.get("rope_parameters") or {}
+    full = rope.get("full_attention") or {}
+    local = rope.get("sliding_attention") or {}
+    scaling = full if full.get("rope_type") not in (None, "default") else raw.get("rope_scaling")
+    max_positions = int(raw.get("max_position_embeddings", 131072))
+    return {
+        "layer_windows": windows if any(windows) else None,
+        "rope_theta": float(full.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
+        "rope_scaling": _rope_scaling(scaling, max_positions, None),
+        "local_rope_theta": float(
+            local.get("rope_theta", raw.get("rope_local_base_freq", 10_000.0))
+        ),
+        "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar") or 256),
+        "final_logit_softcapping": (
+            float(raw["final_logit_softcapping"]) if raw.get("final_logit_softcapping") else None
+        ),
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", True)),
+    }
 
 
 def _experts(raw: dict[str, Any], model_type: str) -> dict[str, Any]:

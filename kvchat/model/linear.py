@@ -206,3 +206,13 @@ class DenseLinear:
     ) -> DenseLinear:
         """One matmul for several projections of the same input (q/k/v, gate/up)."""
         return cls(torch.cat(weights, dim=0), torch.cat(biases) if biases else None)
+
+
+def make_linear(weights: list, biases: list | None = None) -> Linear:
+    """A linear layer from one or several (fused) weights: dense tensors or already-built
+    `Linear`s (quantized weights are built by the loader and passed through as they are)."""
+    if len(weights) == 1 and not isinstance(weights[0], torch.Tensor):
+        return weights[0]
+    if len(weights) == 1:
+        return DenseLinear(weights[0], biases[0] if biases else None)
+    return DenseLinear.fused(weights, biases)

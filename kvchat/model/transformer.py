@@ -1,5 +1,6 @@
 """The Llama-family forward pass in plain torch (and Qwen3's q/k norms, SmolLM3's
-layers without rotary, Phi-3's partial rotary and Qwen3-MoE's experts, `Layer`).
+layers without rotary, Phi-3's partial rotary and Qwen3-MoE's experts, `Layer`; Gemma 3's
+layer is `gemma3_layer.Gemma3Layer`, its windowed layers rotated by a table of their own).
 
 Written to be checked against the paper and transformers' LlamaModel line by line;
 the differences are for speed only: q/k/v and gate/up are fused into one matmul
@@ -13,6 +14,7 @@ dtype's tolerance.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +30,8 @@ from kvchat.model.decoder_ops import (
     rotate_,
     silu_mul,
 )
-from kvchat.model.linear import DenseLinear, Linear, bounded_kernel_caches
+from kvchat.model.gemma3_layer import Gemma3Layer, gemma_multiplier, gemma_rms_norm
+from kvchat.model.linear import Linear, bounded_kernel_caches, make_linear
 from kvchat.model.rope import RotaryTable, longrope_set
 from kvchat.model.sparse_moe import SparseMoE
 
@@ -126,10 +129,13 @@ class Transformer:
             [weights.get("lm_head.weight", self.embed)]
         )
         self.norm = weights["model.norm.weight"]
+        if config.gemma:  # (1 + w), float32
+            self.norm = gemma_multiplier(self.norm)
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        self.layers = [
-            Layer(config, _strip_prefix(weights, f"model.layers.{i}."), i)
+        layer_kind = Gemma3Layer if config.gemma else Layer
+        self.layers: list[Layer | Gemma3Layer] = [
+            layer_kind(config, _strip_prefix(weights, f"model.layers.{i}."), i)
             for i in range(config.num_layers)
         ]
         linears = self._linears()
@@ -141,6 +147,17 @@ class Transformer:
         self.max_positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryTable(config, self.max_positions, self.dtype, self.device)
         self.rotary_set = longrope_set(config, self.max_positions)
+        # Gemma 3's windowed layers: a rotary base of their own, never scaled
+        self.local_rotary = (
+            RotaryTable(
+                replace(config, rope_theta=config.local_rope_theta, rope_scaling=None),
+                self.max_positions,
+                self.dtype,
+                self.device,
+            )
+            if config.local_rope_theta is not None
+            else None
+        )
 
     def fit_context(self, context: int) -> str | None:
         """Rotary for a context of `context` tokens: LongRoPE's frequencies depend on it
@@ -195,7 +212,8 @@ class Transformer:
         return sum(storages.values())
 
     def rotary_tensors(self) -> list[torch.Tensor]:
-        return [t for t in vars(self.rotary).values() if isinstance(t, torch.Tensor)]
+        tables = [self.rotary] if self.local_rotary is None else [self.rotary, self.local_rotary]
+        return [t for table in tables for t in vars(table).values() if isinstance(t, torch.Tensor)]
 
     def _linears(self) -> list[Linear]:
         layers = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers]
@@ -204,24 +222,26 @@ class Transformer:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attention: Attention) -> torch.Tensor:
         """Logits [N, vocab] in float32 for `batch.logits_indices`."""
+        c = self.config
         h = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        if c.gemma:  # scaled by sqrt(hidden), the factor rounded to the dtype first
+            h = h * torch.tensor(c.hidden_size**0.5, dtype=h.dtype)
         cos, sin = self.rotary.lookup(batch.positions)
+        local = self.local_rotary.lookup(batch.positions) if self.local_rotary else (cos, sin)
         pending = None
         for i, layer in enumerate(self.layers):
-            h, pending = layer.forward(i, h, pending, cos, sin, attention)
+            rotary = local if c.layer_window(i) is not None else (cos, sin)
+            h, pending = layer.forward(i, h, pending, *rotary, attention)
         rows = batch.logits_indices  # the LM head only where logits are needed
-        _, h = add_rms_norm(h[rows], pending[rows], self.norm, self.config.rms_norm_eps)
-        return self.lm_head(h).float()  # [N, vocab]
-
-
-def make_linear(weights: list, biases: list | None = None) -> Linear:
-    """A linear layer from one or several (fused) weights: dense tensors or already-built
-    `Linear`s (quantized weights are built by the loader and passed through as they are)."""
-    if len(weights) == 1 and not isinstance(weights[0], torch.Tensor):
-        return weights[0]
-    if len(weights) == 1:
-        return DenseLinear(weights[0], biases[0] if biases else None)
-    return DenseLinear.fused(weights, biases)
+        if c.gemma:
+            h = gemma_rms_norm(h[rows] + pending[rows], self.norm, c.rms_norm_eps)
+        else:
+            _, h = add_rms_norm(h[rows], pending[rows], self.norm, c.rms_norm_eps)
+        logits = self.lm_head(h).float()  # [N, vocab]
+        if c.final_logit_softcapping is not None:
+            cap = c.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 def _slots(cls: type) -> list[str]:

@@ -244,7 +244,12 @@ class KvchatPeer(SpeedMeasured):
     ) -> None:
         """`disk_scratch`: a folder for disk tiers; each engine then gets a fresh one in it."""
         self.name = name
-        self.attention = resolve_attention(attention, model.transformer.device, kv_format)
+        self.attention = resolve_attention(
+            attention,
+            model.transformer.device,
+            kv_format,
+            windowed=model.config.layer_windows is not None,
+        )
         self.disk_scratch = disk_scratch
         self._disk_dir: Path | None = None
         self.model = model

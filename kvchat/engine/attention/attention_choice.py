@@ -26,11 +26,20 @@ def default_attention(device: torch.device) -> str:
     return "flex" if device.type == "cuda" else "native"
 
 
-def resolve_attention(choice: str | None, device: torch.device, kv_format: str = "native") -> str:
+def resolve_attention(
+    choice: str | None,
+    device: torch.device,
+    kv_format: str = "native",
+    *,
+    windowed: bool = False,
+) -> str:
     """The attention an engine on `device` runs for `choice` (None: the device's default);
-    a `UsageError` saying what to use instead when the device or KV format cannot run it."""
+    a `UsageError` saying what to use instead when the device, the KV format or the model
+    (`windowed`: it has sliding-window layers, which flex does not mask) cannot run it."""
     if choice is None:
         choice = default_attention(device)
+        if windowed and choice == "flex":
+            choice = "sdpa"
     if choice not in ATTENTION_CHOICES:
         raise UsageError(
             f"--attention must be one of {', '.join(ATTENTION_CHOICES)}, not {choice!r}."
@@ -38,8 +47,10 @@ def resolve_attention(choice: str | None, device: torch.device, kv_format: str =
     if choice == "native" and device.type != "cpu":
         raise UsageError(NATIVE_ON_CUDA)
     if choice == "flex":
-        from kvchat.engine.attention.flex_attention import check_kv_format
+        from kvchat.engine.attention.flex_attention import WINDOWED_MODELS, check_kv_format
 
+        if windowed:
+            raise UsageError(WINDOWED_MODELS)
         check_kv_format(kv_format)
     return choice
 

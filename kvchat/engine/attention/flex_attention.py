@@ -270,9 +270,19 @@ class FlexPagedAttention:
     # ---- per layer -------------------------------------------------------------------------
 
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; stores k/v at their slots first."""
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; stores k/v at their slots first.
+
+        No sliding window: `attention_choice.resolve_attention` keeps windowed models off."""
+        if window is not None:
+            raise ValueError(WINDOWED_MODELS)
         assert self._mask is not None and self._slots is not None and self._rows is not None
         k_flat, v_flat = self._flat_k[layer], self._flat_v[layer]
         k_flat.index_copy_(0, self._slots, k.to(k_flat.dtype))
@@ -294,6 +304,12 @@ class FlexPagedAttention:
                 enable_gqa=True,
             )  # [Bp, Hq, Lq, D]
         return out.transpose(1, 2)[seq, row]  # [T, Hq, D]
+
+
+WINDOWED_MODELS = (
+    "--attention flex does not attend within a sliding window (Gemma 3's layers) yet; "
+    "run this model with --attention sdpa (or native, on a CPU)."
+)
 
 
 def _mark_dynamic(query: torch.Tensor, mask: BlockMask, *, chunks: bool) -> None:

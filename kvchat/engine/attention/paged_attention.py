@@ -21,6 +21,12 @@ heads into query rows, so K/V stream once per kv head rather than once per query
 Every call into torch's attention on a CPU goes through `flash_shapes`, which rounds
 its shapes so that torch builds a bounded number of kernels over a process's life.
 
+A sliding-window layer (Gemma 3's) whose sequences all fit their window is full
+attention and takes the paths above. Once a context outgrows the window, that layer
+reads each sequence's last `window - 1` positions before its first new token and its
+new tokens, gathered, in one masked SDPA call (`_attend_within_window`): at decode a
+window's worth of keys, not the whole context.
+
 It stays one module: `prepare` decides once per forward which of these paths each
 sequence takes, and every layer's call follows that decision with the same slots.
 """
@@ -33,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from kvchat.engine.attention import flash_shapes, native_attention
-from kvchat.model.batch import ForwardBatch
+from kvchat.model.batch import ForwardBatch, window_mask
 
 # A chunk's scattered context is read in at most this many runs of pages; more: one
 # gathered copy (0: never by runs, one masked call over the whole context: the tests'
@@ -88,6 +94,16 @@ class _ContextView:
     new_slots: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class _WindowRead:
+    """What one sequence's new tokens read in a sliding-window layer."""
+
+    first_row: int  # its first new token among the batch's
+    queries: int
+    slots: torch.Tensor  # [L] flat slots of the keys its windows reach, in position order
+    mask: torch.Tensor | None  # [n, L] True where attended; None: every key (one query)
+
+
 class PagedAttention:
     def __init__(
         self,
@@ -114,6 +130,10 @@ class PagedAttention:
         self._layers = [self._make_flat(i) for i in range(k_all.shape[0])]  # views, made once
         self.scale = self.head_dim**-0.5
         self._batch: ForwardBatch | None = None
+        self._page_lists: Sequence[Sequence[int]] = ()
+        # per window size, made by the first windowed layer of a forward: per sequence,
+        # (first row, new tokens, slots of the keys it reads, mask or None)
+        self._window_plans: dict[int, list[_WindowRead]] = {}
         self._slots: torch.Tensor | None = None
         self._views: list[_ContextView | None] = []  # None: read by the kernel
         self._decode_index: torch.Tensor | None = None
@@ -186,6 +206,8 @@ class PagedAttention:
                 flat = (page_idx[:, None] * S + torch.arange(S)).reshape(-1)[:total]
                 views.append(_ContextView(0, total, flat.to(device), page_idx.to(device)))
         self._batch = batch
+        self._page_lists = page_lists
+        self._window_plans = {}
         self._slots = torch.tensor(slots, dtype=torch.long, device=device)
         self._views = views
         self._masks = {}
@@ -302,10 +324,20 @@ class PagedAttention:
         flat.scale.index_copy_(0, self._slots, scale.to(flat.scale.dtype))
 
     def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        window: int | None = None,
     ) -> torch.Tensor:
         assert self._batch is not None and self._slots is not None, "prepare() first"
         k_flat, v_flat = self._layers[layer]
+        if window is not None and max(self._batch.context_lens) > window:
+            self._write(k_flat, k)
+            self._write(v_flat, v)
+            return self._attend_within_window(q, k_flat, v_flat, window)
         all_native = self._native is not None and self._native_rows is None
         if all_native and k_flat.scale is None and _kernel_can_store(k_flat, k, v):
             return self._native_decode(q, k_flat, v_flat, (k, v, self._slots))  # writes too
@@ -316,6 +348,49 @@ class PagedAttention:
         if self._batch.is_decode_only:
             return self._decode(q, k_flat, v_flat)
         return self._prefill(q, k_flat, v_flat)
+
+    def _attend_within_window(
+        self, q: torch.Tensor, k_flat: _FlatKV, v_flat: _FlatKV, window: int
+    ) -> torch.Tensor:
+        """A sliding-window layer: per sequence, its new tokens over the keys their windows
+        reach (gathered), masked where a key is past a query's window or in its future."""
+        plan = self._window_plans.get(window)
+        if plan is None:
+            plan = self._window_plans[window] = self._plan_window(window)
+        out = torch.empty_like(q)
+        for read in plan:
+            rows = slice(read.first_row, read.first_row + read.queries)
+            qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            ks = self._gather(k_flat, read.slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            vs = self._gather(v_flat, read.slots).transpose(0, 1).unsqueeze(0)
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qs, ks.to(qs.dtype), vs.to(qs.dtype), attn_mask=read.mask, enable_gqa=True
+            )
+            out[rows] = o[0].transpose(0, 1)
+        return out
+
+    def _plan_window(self, window: int) -> list[_WindowRead]:
+        assert self._batch is not None
+        S = self.page_size
+        device = self.k_all.device
+        plan: list[_WindowRead] = []
+        first_row = 0
+        for n, total, pages in zip(
+            self._batch.query_lens, self._batch.context_lens, self._page_lists, strict=True
+        ):
+            first = max(0, total - n - window + 1)  # the first query's window starts here
+            slots = [pages[p // S] * S + p % S for p in range(first, total)]
+            mask = None
+            if n > 1:  # one query sees its whole window: no mask
+                keys = torch.arange(first, total)
+                mask = window_mask(torch.arange(total - n, total), keys, window).to(device)
+            plan.append(
+                _WindowRead(
+                    first_row, n, torch.tensor(slots, dtype=torch.long, device=device), mask
+                )
+            )
+            first_row += n
+        return plan
 
     def _decode(self, q: torch.Tensor, k_flat: _FlatKV, v_flat: _FlatKV) -> torch.Tensor:
         """One query per sequence, all sequences in one SDPA call (padded, masked when B > 1).

@@ -14,6 +14,11 @@ here, exactly as transformers' GGUF loader does (`smollm3`'s converter derives f
 the `llama` one and permutes too). `qwen2` and `qwen3` are converted
 without that permutation (llama.cpp's Qwen2 converter, which Qwen3's derives from, does
 not apply it); Qwen3's per-head q/k norms are `attn_q_norm` / `attn_k_norm`.
+
+`gemma3`'s converter adds 1 to every norm weight (llama.cpp multiplies by the weight,
+Gemma by 1 + w): subtracted here. Its files say the window and both rotary bases but not
+which layers are windowed, nor the query scale: llama.cpp fixes both (five windowed layers
+to one global; head_dim, or hidden / heads for the 62-layer 27B), and so does this module.
 """
 
 from __future__ import annotations
@@ -29,11 +34,15 @@ from kvchat.errors import ModelLoadError
 from kvchat.model.gguf.dequant import dequantize
 from kvchat.model.gguf.file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "phi3", "qwen2", "qwen3", "qwen3moe", "smollm3")
+SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "phi3", "qwen2", "qwen3", "qwen3moe", "smollm3")
 # the architectures whose q/k rows llama.cpp's converter permutes (`llama_cpp_permute`)
 PERMUTED_ARCHITECTURES = ("llama", "smollm3")
 # llama.cpp runs SmolLM3 with rotary left out of every fourth layer; the file does not say
 SMOLLM3_NO_ROPE_INTERVAL = 4
+# llama.cpp's Gemma 3: every sixth layer global, and the 62-layer model (27B) scaling its
+# queries by hidden / heads rather than head_dim (the files say neither)
+GEMMA3_SLIDING_PATTERN = 6
+GEMMA3_27B_LAYERS = 62
 
 _HF_ARCH = {
     "llama": ("llama", "LlamaForCausalLM"),
@@ -42,6 +51,7 @@ _HF_ARCH = {
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 
 # GGUF tensor name -> Hugging Face name; {i} is the layer index.
@@ -73,11 +83,17 @@ _EXPERT_NAMES = {
     "ffn_up_exps.weight": "up_proj",
     "ffn_down_exps.weight": "down_proj",
 }
-# Phi-3 keeps Hugging Face's fused q/k/v and gate/up matrices (gate first, as there)
+# Phi-3 keeps Hugging Face's fused q/k/v and gate/up matrices (gate first, as there);
+# Gemma 3 normalizes after attention and around the feed-forward
 _ARCH_LAYER_NAMES = {
     "phi3": {
         "attn_qkv.weight": "self_attn.qkv_proj.weight",
         "ffn_up.weight": "mlp.gate_up_proj.weight",
+    },
+    "gemma3": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     },
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -90,8 +106,8 @@ def check_architecture(metadata: dict[str, object]) -> str:
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
-            f"unsupported architecture {arch}; kvchat runs GGUFs of the llama (Llama, "
-            "Mistral, SmolLM2), phi3 (Phi-3, Phi-4-mini), qwen2, qwen3, qwen3moe and "
+            f"unsupported architecture {arch}; kvchat runs GGUFs of the gemma3 (text), llama "
+            "(Llama, Mistral, SmolLM2), phi3 (Phi-3, Phi-4-mini), qwen2, qwen3, qwen3moe and "
             "smollm3 architectures. Choose a GGUF of one of those."
         )
     return str(arch)
@@ -161,6 +177,8 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, object]:
         config["no_rope_layer_interval"] = SMOLLM3_NO_ROPE_INTERVAL
     if arch == "qwen3moe":
         config.update(_experts(gguf, arch, int(config["num_hidden_layers"])))  # type: ignore[call-overload]
+    if arch == "gemma3":
+        config.update(_gemma3(md, arch, config))
     rope_dims = md.get(f"{arch}.rope.dimension_count")
     if arch == "phi3" and rope_dims is not None and int(rope_dims) != head_dim:  # type: ignore[call-overload]
         config["partial_rotary_factor"] = int(rope_dims) / head_dim  # type: ignore[call-overload]
@@ -176,6 +194,28 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, object]:
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     return config
+
+
+def _gemma3(md: dict[str, object], arch: str, config: dict[str, object]) -> dict[str, object]:
+    """Gemma 3's fields, as llama.cpp runs its files (`GEMMA3_SLIDING_PATTERN`)."""
+    layers = int(config["num_hidden_layers"])  # type: ignore[call-overload]
+    window = md.get(f"{arch}.attention.sliding_window")
+    scalar = (
+        int(config["hidden_size"]) // int(config["num_attention_heads"])  # type: ignore[call-overload]
+        if layers == GEMMA3_27B_LAYERS
+        else config["head_dim"]
+    )
+    fields: dict[str, object] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": int(window) if window else None,  # type: ignore[call-overload]
+        "sliding_window_pattern": GEMMA3_SLIDING_PATTERN if window else 1,
+        "rope_local_base_freq": _f32(md.get(f"{arch}.rope.freq_base_swa", 10000.0)),
+        "query_pre_attn_scalar": scalar,
+    }
+    cap = md.get(f"{arch}.final_logit_softcapping")
+    if cap:
+        fields["final_logit_softcapping"] = _f32(cap)
+    return fields
 
 
 def _experts(gguf: GGUFFile, arch: str, layers: int) -> dict[str, object]:
@@ -346,6 +386,8 @@ def gguf_state_dict(gguf: GGUFFile, dtype: torch.dtype) -> Iterator[tuple[str, t
         if hf_name is None:
             continue
         weight = dequantize(gguf.raw(name), info.ggml_type, info.shape)  # float32, torch order
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            weight = weight - 1.0  # the converter's 1 + w, back to Gemma's w
         if arch in PERMUTED_ARCHITECTURES:
             if ".attn_q." in name:
                 weight = undo_llama_cpp_permute(weight, n_heads)

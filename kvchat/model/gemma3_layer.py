@@ -1,0 +1,110 @@
+"""Gemma 3's decoder layer, as transformers' Gemma3DecoderLayer computes it.
+
+What it adds to the Llama layer (`transformer.Layer`): every norm multiplies by (1 + w)
+in float32 (Gemma's RMSNorm), attention and the feed-forward are each normalized before
+and after (the output norm applied before the residual add), q and k are normalized per
+head, queries are scaled by `query_pre_attn_scalar` ** -0.5 rather than head_dim ** -0.5,
+the feed-forward is GELU (tanh) of the gate times up, and five layers of six attend within
+a window, with a rotary base of their own (the caller hands each layer its cos/sin).
+
+The norms run in plain torch, as transformers writes them (`gemma_rms_norm`): kvchat's
+fused kernels compute Llama's rounding (the scale applied in the activation dtype), which
+differs from Gemma's in bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvchat.model.batch import Attention
+from kvchat.model.config import ModelConfig
+from kvchat.model.decoder_ops import rotate_
+from kvchat.model.linear import Linear, make_linear
+
+
+def gemma_multiplier(weight: torch.Tensor) -> torch.Tensor:
+    """A Gemma norm's weight w as the float32 factor (1 + w) it multiplies by."""
+    return 1.0 + weight.float()
+
+
+def gemma_rms_norm(x: torch.Tensor, multiplier: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Gemma3RMSNorm over the last dimension: statistics and the (1 + w)
+    factor in float32, the result cast back to x's dtype."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * multiplier).to(x.dtype)
+
+
+class Gemma3Layer:
+    """One Gemma 3 decoder layer's weights (q/k/v and gate/up fused) and its forward."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], index: int):
+        self.config = config
+        self.window = config.layer_window(index)
+        self.rotates = True
+        self.experts = None  # Gemma 3 has no experts (the Transformer asks every layer)
+        norm = {
+            name: gemma_multiplier(weights[f"{name}.weight"])
+            for name in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+                "self_attn.q_norm",
+                "self_attn.k_norm",
+            )
+        }
+        self.input_norm = norm["input_layernorm"]
+        self.post_attention_norm = norm["post_attention_layernorm"]
+        self.pre_feedforward_norm = norm["pre_feedforward_layernorm"]
+        self.post_feedforward_norm = norm["post_feedforward_layernorm"]
+        self.q_norm = norm["self_attn.q_norm"]
+        self.k_norm = norm["self_attn.k_norm"]
+        qkv = ("q", "k", "v")
+        self.qkv: Linear = weights.get("self_attn.qkv_proj") or make_linear(
+            [weights[f"self_attn.{p}_proj.weight"] for p in qkv],
+            [weights[f"self_attn.{p}_proj.bias"] for p in qkv] if config.attention_bias else None,
+        )
+        self.o: Linear = make_linear([weights["self_attn.o_proj.weight"]])
+        self.gate_up: Linear | None = weights.get("mlp.gate_up_proj") or make_linear(
+            [weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]]
+        )
+        self.down: Linear | None = make_linear([weights["mlp.down_proj.weight"]])
+        # the attention scales by head_dim ** -0.5: the queries carry the rest
+        scalar = config.query_pre_attn_scalar or config.head_dim
+        self.query_factor = (config.head_dim / scalar) ** 0.5 if scalar != config.head_dim else None
+
+    def forward(
+        self,
+        index: int,
+        h: torch.Tensor,  # [T, hidden]: the residual stream
+        pending: torch.Tensor | None,  # [T, hidden]: the previous layer's feed-forward output
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: Attention,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual stream, this layer's normalized feed-forward output, not yet added)."""
+        c = self.config
+        eps = c.rms_norm_eps
+        if pending is not None:
+            h = h + pending
+        qkv = self.qkv(gemma_rms_norm(h, self.input_norm, eps))  # [T, (Hq + 2 Hkv) D]
+        t = qkv.shape[0]
+        q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
+        k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
+        v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
+        q.copy_(gemma_rms_norm(q, self.q_norm, eps))
+        k.copy_(gemma_rms_norm(k, self.k_norm, eps))
+        rotate_(qkv, cos, sin, c.num_heads + c.num_kv_heads)  # q and k, in place
+        if self.query_factor is not None:
+            q.mul_(self.query_factor)
+        if self.window is None:
+            attn = attention(index, q, k, v)  # [T, Hq, D]
+        else:
+            attn = attention(index, q, k, v, window=self.window)
+        out = self.o(attn.reshape(t, c.q_size))
+        h = h + gemma_rms_norm(out, self.post_attention_norm, eps)
+        gate, up = self.gate_up(gemma_rms_norm(h, self.pre_feedforward_norm, eps)).chunk(2, -1)  # type: ignore[misc]
+        mlp = self.down(F.gelu(gate, approximate="tanh") * up)  # type: ignore[misc]
+        return h, gemma_rms_norm(mlp, self.post_feedforward_norm, eps)
