@@ -327,7 +327,7 @@ def test_unsupported_architecture_names_it_and_the_supported_family(tmp_path: Pa
     gguf_file = GGUFFile.open(path)
     with pytest.raises(
         ModelLoadError,
-        match=r"unsupported architecture gpt2; kvchat runs GGUFs of the llama .* qwen3",
+        match=r"unsupported architecture gpt2; kvchat runs GGUFs of the gemma3 .* qwen3",
     ):
         gguf_to_hf_config(gguf_file)
     with pytest.raises(ModelLoadError, match="unsupported architecture gpt2"):

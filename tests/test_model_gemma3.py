@@ -140,3 +140,55 @@ def test_attention_soft_capping_is_refused(tmp_path):
     raw = json.loads((folder / "config.json").read_text())
     with pytest.raises(ModelLoadError, match="attn_logit_softcapping"):
         ModelConfig.from_dict({**raw, "attn_logit_softcapping": 50.0})
+
+
+def write_vision_language_gemma(folder, text_folder):
+    """Gemma 3 4B's layout, scaled down: the tiny text model's weights inside
+    Gemma3ForConditionalGeneration beside a small vision tower, saved as the hub's
+    checkpoints are (`language_model.model.*`, `vision_tower.*`), its text_config
+    leaving Gemma3TextConfig's defaults out as theirs do."""
+    import json
+
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        SiglipVisionConfig,
+    )
+
+    text = AutoModelForCausalLM.from_pretrained(text_folder, dtype=torch.float32)
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )  # fmt: skip
+    model = Gemma3ForConditionalGeneration(
+        Gemma3Config(text_config=text.config, vision_config=vision, mm_tokens_per_image=4)
+    )
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((text_folder / name).read_bytes())
+    config_file = folder / "config.json"
+    raw = json.loads(config_file.read_text())
+    defaults = {"rms_norm_eps": 1e-6, "max_position_embeddings": 131072, "rope_parameters": None}
+    raw["text_config"] = {
+        k: v for k, v in raw["text_config"].items() if k not in defaults or v != defaults[k]
+    }
+    config_file.write_text(json.dumps(raw))
+    return folder
+
+
+def test_a_vision_language_gemma_runs_its_text_model(gemma_folder, tmp_path):
+    """Gemma 3 4B and up ship as a vision-language model: kvchat reads the text model's
+    config and weights from it (never the vision tower's) and computes what transformers'
+    Gemma3ForConditionalGeneration computes for text."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    folder = write_vision_language_gemma(tmp_path / "gemma3-vl", gemma_folder)
+    model = load_model(str(folder), dtype="float32", device="cpu")
+    assert model.config.layer_windows == (GEMMA3_WINDOW,) * 5 + (None,)
+    ids = random_ids(48, seed=7)
+    reference = Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = reference(input_ids=ids[None]).logits[0].float()
+    assert rel_err(kvchat_logits(model, ids.tolist(), paged=True), theirs) < 1e-4

@@ -22,10 +22,8 @@ def hub(tmp_path, tiny_llama_dir):
     q4 = write_tiny_gguf(tmp_path / "files" / "tiny-Q4_1.gguf", "Q4_1")
     q4_0 = write_tiny_gguf(tmp_path / "files" / "tiny-Q4_0.gguf", "Q4_0", seed=1)
     folder = {p.name: p for p in tiny_llama_dir.iterdir() if p.is_file()}
-    gemma = tmp_path / "files" / "gemma-config.json"
-    gemma.write_text(
-        (tiny_llama_dir / "config.json").read_text().replace('"llama"', '"gemma3_text"')
-    )
+    gpt_oss = tmp_path / "files" / "gpt-oss-config.json"
+    gpt_oss.write_text((tiny_llama_dir / "config.json").read_text().replace('"llama"', '"gpt_oss"'))
     hub = Hub(
         {
             "tiny-org/tiny-llama": Repo({**folder, "README.md": folder["config.json"]}),
@@ -34,8 +32,8 @@ def hub(tmp_path, tiny_llama_dir):
                 gguf_architecture="llama",
             ),
             "tiny-org/one-GGUF": Repo({"one-Q4_1.gguf": q4}, gguf_architecture="llama"),
-            "tiny-org/gemma": Repo({**folder, "config.json": gemma}),
-            "tiny-org/gemma-GGUF": Repo({"g-Q4_0.gguf": q4_0}, gguf_architecture="gemma3"),
+            "tiny-org/gpt-oss": Repo({**folder, "config.json": gpt_oss}),
+            "tiny-org/gpt-oss-GGUF": Repo({"g-Q4_0.gguf": q4_0}, gguf_architecture="gpt-oss"),
         }
     )
     server = HubServer(hub)
@@ -110,8 +108,14 @@ def test_a_model_folder_comes_whole_and_runs(hub, tmp_path):
 @pytest.mark.parametrize(
     ("name", "says"),
     [
-        ("tiny-org/gemma", "tiny-org/gemma is not a model kvchat runs: Unsupported architecture"),
-        ("tiny-org/gemma-GGUF", "tiny-org/gemma-GGUF is a gemma3 model, which kvchat does not"),
+        (
+            "tiny-org/gpt-oss",
+            "tiny-org/gpt-oss is not a model kvchat runs: Unsupported architecture",
+        ),
+        (
+            "tiny-org/gpt-oss-GGUF",
+            "tiny-org/gpt-oss-GGUF is a gpt-oss model, which kvchat does not",
+        ),
         ("tiny-org/nothing", "there is no model tiny-org/nothing on the hub"),
         ("not a name", "'not a name' is not a hub model name: use ORG/NAME"),
     ],

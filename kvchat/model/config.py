@@ -32,6 +32,25 @@ SUPPORTED_FAMILIES = (
     "MoE), SmolLM2, SmolLM3, TinyLlama"
 )
 GEMMA3 = "gemma3_text"
+# Gemma 3 4B and up: a vision model around the text one; kvchat runs its text model
+GEMMA3_MULTIMODAL = "gemma3"
+# Gemma3TextConfig's defaults: the multimodal checkpoints' text_config leaves most out
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "sliding_window": 4096,
+    "query_pre_attn_scalar": 256,
+    "tie_word_embeddings": True,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+}
 
 
 @dataclass(frozen=True)
@@ -130,6 +149,12 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = str(raw.get("model_type", "")).lower()
+        if model_type == GEMMA3_MULTIMODAL and isinstance(raw.get("text_config"), dict):
+            # the text model of a vision-language Gemma 3 (its images are not read)
+            raw = {**raw, **raw["text_config"], "model_type": GEMMA3}
+            model_type = GEMMA3
+        if model_type == GEMMA3:
+            raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = raw.get("architectures") or [model_type or "unknown"]
             raise ModelLoadError(

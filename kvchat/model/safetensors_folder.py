@@ -40,15 +40,43 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
+def text_model_name(name: str) -> str | None:
+    """A weight's name in the text model kvchat runs: a vision-language checkpoint's
+    language model (Gemma 3 4B and up: `language_model.model.*`, or transformers 5's
+    `model.language_model.*`) under the names of a text-only one; its vision tower and
+    projector, None (never read). Other names as they are."""
+    for prefix, to in (
+        ("language_model.model.", "model."),
+        ("model.language_model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+    ):
+        if name.startswith(prefix):
+            return to + name[len(prefix) :]
+    if name.startswith(VISION_PREFIXES):
+        return None
+    return name
+
+
+VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+
+
 def read_tensors(
     folder: Path, dtype: torch.dtype, device: torch.device, files: list[Path] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the folder's weights (or of `files` only), in `dtype` on `device`."""
+    """Every tensor of the folder's text model (or of `files` only), in `dtype` on
+    `device`, named as a text-only model names it (`text_model_name`)."""
     for path in files if files is not None else weight_files(folder):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    yield name, f.get_tensor(name).to(device=device, dtype=dtype)
+                    text_name = text_model_name(name)
+                    if text_name is not None:
+                        yield text_name, f.get_tensor(name).to(device=device, dtype=dtype)
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelLoadError(
                 f"{path} is corrupt or truncated ({exc}). Re-download the model."
