@@ -44,6 +44,10 @@ FAMILIES = {
         == (hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, True)
         and c.mlp_only_layers == hf.mlp_only_layers == ()
     ),
+    # YaRN and the query scaling from the file
+    "ministral3": lambda c, hf: (
+        (c.rope_scaling, c.query_scaling_beta) == (hf.rope_scaling, hf.query_scaling_beta)
+    ),
     # rotary dimensions, LongRoPE's factor sets and attention factor from the file
     "phi3": lambda c, hf: (c.rotary_dim, c.rope_scaling) == (12, hf.rope_scaling),
 }

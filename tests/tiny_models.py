@@ -38,6 +38,21 @@ PHI3_ROPE = dict(
 )
 
 
+# Ministral 3's rotary, scaled down: YaRN stretching an original context of 64 sixteen
+# times, and queries scaled up every 64 positions (Ministral 3: 16,384, factor 16)
+MINISTRAL3_ORIGINAL_CONTEXT = 64
+MINISTRAL3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 1_000_000.0,
+    "factor": 16.0,
+    "original_max_position_embeddings": MINISTRAL3_ORIGINAL_CONTEXT,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "llama_4_scaling_beta": 0.1,
+}
+
 # Gemma 3's window, scaled down from 512 (1B) and 1,024 (4B and up)
 GEMMA3_WINDOW = 16
 
@@ -56,13 +71,15 @@ def write_tiny_model(
     with_tokenizer: bool = True,
     **overrides,
 ) -> Path:
-    """Write a tiny random model of `family` ("gemma3_text", "llama", "llama3", "phi3",
-    "qwen2", "qwen3", "qwen3_moe", "smollm3") into `folder`."""
+    """Write a tiny random model of `family` ("gemma3_text", "llama", "llama3",
+    "ministral3", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3") into `folder`."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
+        Ministral3Config,
+        Ministral3ForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen2Config,
@@ -125,6 +142,17 @@ def write_tiny_model(
             eos_token_id=2,
         )
         model = Gemma3ForCausalLM(config)
+    elif family == "ministral3":
+        config = Ministral3Config(
+            **{
+                "head_dim": 16,
+                **shapes,
+                "max_position_embeddings": 16 * MINISTRAL3_ORIGINAL_CONTEXT,
+            },
+            rope_parameters=MINISTRAL3_ROPE,
+            pad_token_id=None,
+        )
+        model = Ministral3ForCausalLM(config)
     elif family == "qwen2":
         config = Qwen2Config(**shapes, tie_word_embeddings=True, rope_theta=1_000_000.0)
         model = Qwen2ForCausalLM(config)

@@ -25,15 +25,16 @@ from typing import Any
 from kvchat.errors import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = (
-    "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3"
+    "gemma3_text", "llama", "ministral3", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe",
+    "smollm3",
 )  # fmt: skip
 SUPPORTED_FAMILIES = (
-    "Gemma 3 (text), Llama 2/3.x, Mistral, Phi-3 / Phi-4-mini, Qwen2/2.5, Qwen3 (dense and "
-    "MoE), SmolLM2, SmolLM3, TinyLlama"
+    "Gemma 3 (text), Llama 2/3.x, Ministral 3, Mistral, Phi-3 / Phi-4-mini, Qwen2/2.5, Qwen3 "
+    "(dense and MoE), SmolLM2, SmolLM3, TinyLlama"
 )
+# vision-language checkpoints whose text model kvchat runs (their images are not read)
+TEXT_MODEL_OF = {"gemma3": "gemma3_text", "mistral3": "ministral3"}
 GEMMA3 = "gemma3_text"
-# Gemma 3 4B and up: a vision model around the text one; kvchat runs its text model
-GEMMA3_MULTIMODAL = "gemma3"
 # Gemma3TextConfig's defaults: the multimodal checkpoints' text_config leaves most out
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_208,
@@ -55,9 +56,11 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.x's frequency-dependent rope scaling ("llama3"), "linear", or Phi-3's
-    "longrope": a divisor per frequency, one set for contexts up to the original
-    length and one beyond it, and cos/sin scaled by `attention_factor`."""
+    """Llama 3.x's frequency-dependent rope scaling ("llama3"), "linear", Phi-3's
+    "longrope" (a divisor per frequency, one set for contexts up to the original length
+    and one beyond it) or "yarn" (frequencies between `beta_fast` and `beta_slow`
+    rotations over the original context blended from interpolated to kept); the last two
+    scale cos/sin by `attention_factor`."""
 
     kind: str
     factor: float
@@ -67,6 +70,9 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # YaRN's blend bounds rounded outward to whole dimensions
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,9 @@ class ModelConfig:
     local_rope_theta: float | None = None
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # Ministral 3: queries scaled by 1 + beta * ln(1 + floor(position / original context))
+    # after rotary (transformers' get_llama_4_attn_scale); None: not scaled
+    query_scaling_beta: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -149,10 +158,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         model_type = str(raw.get("model_type", "")).lower()
-        if model_type == GEMMA3_MULTIMODAL and isinstance(raw.get("text_config"), dict):
-            # the text model of a vision-language Gemma 3 (its images are not read)
-            raw = {**raw, **raw["text_config"], "model_type": GEMMA3}
-            model_type = GEMMA3
+        if model_type in TEXT_MODEL_OF and isinstance(raw.get("text_config"), dict):
+            # Gemma 3 4B and up, Ministral 3: a vision model around the text one
+            model_type = TEXT_MODEL_OF[model_type]
+            raw = {**raw, **raw["text_config"], "model_type": model_type}
         if model_type == GEMMA3:
             raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -169,9 +178,8 @@ class ModelConfig:
             # older configs have "rope_theta" and "rope_scaling".
             rope = raw.get("rope_parameters") or {}
             theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
-            scaling = (
-                rope if rope.get("rope_type") not in (None, "default") else raw.get("rope_scaling")
-            )
+            kind = rope.get("rope_type") or rope.get("type")
+            scaling = rope if kind not in (None, "default") else raw.get("rope_scaling")
             partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
             max_positions = int(raw.get("max_position_embeddings", 4096))
             original = rope.get(
@@ -204,6 +212,9 @@ class ModelConfig:
             )
             if model_type == GEMMA3:  # its own rotary per layer type, tied by default
                 fields.update(_gemma3(raw))
+            beta = rope.get("llama_4_scaling_beta")
+            if beta and model_type == "ministral3" and fields["rope_scaling"] is not None:
+                fields["query_scaling_beta"] = float(beta)
             return cls(**fields)
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(
@@ -338,6 +349,8 @@ def _rope_scaling(raw: Any, max_positions: int, original: Any) -> RopeScaling | 
         return None
     if kind in ("longrope", "su"):
         return _longrope(raw, max_positions, original)
+    if kind == "yarn":
+        return _yarn(raw, max_positions, original)
     if kind == "llama3":
         return RopeScaling(
             kind="llama3",
@@ -349,7 +362,8 @@ def _rope_scaling(raw: Any, max_positions: int, original: Any) -> RopeScaling | 
     if kind == "linear":
         return RopeScaling(kind="linear", factor=float(raw["factor"]))
     raise ModelLoadError(
-        f"Unsupported rope scaling {kind!r}; kvchat supports 'llama3', 'linear' and 'longrope'."
+        f"Unsupported rope scaling {kind!r}; kvchat supports 'llama3', 'linear', 'longrope' "
+        "and 'yarn'."
     )
 
 
@@ -368,4 +382,33 @@ def _longrope(raw: dict[str, Any], max_positions: int, original: Any) -> RopeSca
         short_factor=tuple(float(x) for x in raw["short_factor"]),
         long_factor=tuple(float(x) for x in raw["long_factor"]),
         attention_factor=float(attention),
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context `factor` times the original (its Eq. 21)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(raw: dict[str, Any], max_positions: int, original: Any) -> RopeScaling:
+    """YaRN as transformers reads it: the factor, unless given, from the two context
+    lengths; the attention factor, unless given, from the factor (and `mscale` over
+    `mscale_all_dim` where both are set)."""
+    original = int(raw.get("original_max_position_embeddings") or original or max_positions)
+    factor = float(raw.get("factor") or max_positions / original)
+    attention = raw.get("attention_factor")
+    if attention is None:
+        mscale, all_dims = raw.get("mscale"), raw.get("mscale_all_dim")
+        if mscale and all_dims:
+            attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dims)
+        else:
+            attention = _yarn_mscale(factor)
+    return RopeScaling(
+        kind="yarn",
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=float(attention),
+        beta_fast=float(raw.get("beta_fast") or 32),
+        beta_slow=float(raw.get("beta_slow") or 1),
+        truncate=bool(raw.get("truncate", True)),
     )

@@ -53,6 +53,8 @@ def inverse_frequencies(config: ModelConfig, context: int | None = None) -> torc
         )
     if scaling.kind == "linear":
         return inv_freq / scaling.factor
+    if scaling.kind == "yarn":
+        return _yarn_frequencies(config)
     # "llama3": long wavelengths are slowed by `factor`, short ones kept, the band between
     # interpolated smoothly (Llama 3.1 paper, section 3; transformers' _compute_llama3_parameters).
     old_len = scaling.original_max_position_embeddings
@@ -66,6 +68,30 @@ def inverse_frequencies(config: ModelConfig, context: int | None = None) -> torc
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_frequencies(config: ModelConfig) -> torch.Tensor:
+    """YaRN (Peng et al. 2023), as transformers' _compute_yarn_parameters: frequencies that
+    turn more than `beta_fast` times over the original context are kept, those under
+    `beta_slow` interpolated by `factor`, those between blended along a linear ramp."""
+    scaling = config.rope_scaling
+    assert scaling is not None
+    dim, base = config.rotary_dim, config.rope_theta
+    original = scaling.original_max_position_embeddings
+
+    def dimension_of(rotations: float) -> float:  # the dimension turning `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_of(scaling.beta_fast), dimension_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1 where a frequency is kept as it is
+    wavelengths = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return 1.0 / (scaling.factor * wavelengths) * (1 - keep) + 1.0 / wavelengths * keep
 
 
 class RotaryTable:
@@ -86,7 +112,8 @@ class RotaryTable:
         freqs = torch.outer(positions, inv_freq)  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         scaling = config.rope_scaling
-        scale = scaling.attention_factor if scaling and scaling.kind == "longrope" else 1.0
+        scaled = scaling is not None and scaling.kind in ("longrope", "yarn")
+        scale = scaling.attention_factor if scaled else 1.0
         self.cos = (emb.cos() * scale).to(dtype=dtype, device=device)
         # rotate_half(x) * sin == roll(x, D/2) * [-sin_first_half, sin_second_half]
         half = emb.shape[-1] // 2

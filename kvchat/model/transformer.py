@@ -74,6 +74,7 @@ class Layer:
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention: Attention,
+        query_scale: torch.Tensor | None = None,  # [T, 1, 1]: Ministral 3's, by position
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual stream, this layer's MLP output): the caller adds the latter, fused
         with the next norm (`add_rms_norm`), so no layer pays a separate add."""
@@ -91,6 +92,8 @@ class Layer:
         q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
+        if query_scale is not None:
+            q.mul_(query_scale)
         attn = attention(index, q, k, v)  # [T, Hq, D]
         h, x = add_rms_norm(h, self.o(attn.reshape(t, c.q_size)), self.post_norm, c.rms_norm_eps)
         if self.experts is not None:
@@ -171,6 +174,15 @@ class Transformer:
             self.rotary_set = chosen
         return chosen
 
+    def _query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Ministral 3's query scale [T, 1, 1] by position: 1 up to the original context,
+        growing by beta * ln 2, ln 3, ... each original context further (None elsewhere)."""
+        beta, scaling = self.config.query_scaling_beta, self.config.rope_scaling
+        if beta is None or scaling is None:
+            return None
+        steps = torch.floor(positions / scaling.original_max_position_embeddings)
+        return (1 + beta * torch.log(1 + steps)).to(self.dtype)[:, None, None]
+
     def _gather_into_huge_pages(self) -> None:
         """Every linear layer's tensors, copied into one arena of 2 MiB pages: a decode
         step streams them all (`huge_pages` says why). The embedding table is left where
@@ -228,10 +240,14 @@ class Transformer:
             h = h * torch.tensor(c.hidden_size**0.5, dtype=h.dtype)
         cos, sin = self.rotary.lookup(batch.positions)
         local = self.local_rotary.lookup(batch.positions) if self.local_rotary else (cos, sin)
+        query_scale = self._query_scale(batch.positions)
         pending = None
         for i, layer in enumerate(self.layers):
             rotary = local if c.layer_window(i) is not None else (cos, sin)
-            h, pending = layer.forward(i, h, pending, *rotary, attention)
+            if query_scale is None:
+                h, pending = layer.forward(i, h, pending, *rotary, attention)
+            else:
+                h, pending = layer.forward(i, h, pending, *rotary, attention, query_scale)
         rows = batch.logits_indices  # the LM head only where logits are needed
         if c.gemma:
             h = gemma_rms_norm(h[rows] + pending[rows], self.norm, c.rms_norm_eps)

@@ -11,9 +11,9 @@ the query and key projections of the `llama` architecture (from Hugging Face's
 "rotate half" rotary layout to GPT-J's interleaved one). Skipping the
 inverse gives a model that runs and talks plausible nonsense, so it is undone
 here, exactly as transformers' GGUF loader does (`smollm3`'s converter derives from
-the `llama` one and permutes too). `qwen2` and `qwen3` are converted
-without that permutation (llama.cpp's Qwen2 converter, which Qwen3's derives from, does
-not apply it); Qwen3's per-head q/k norms are `attn_q_norm` / `attn_k_norm`.
+the `llama` one and permutes too, as does Ministral 3's `mistral3`). `qwen2` and `qwen3`
+are converted without that permutation (llama.cpp's Qwen2 converter, which Qwen3's
+derives from, does not apply it); Qwen3's per-head q/k norms are `attn_q_norm` / `attn_k_norm`.
 
 `gemma3`'s converter adds 1 to every norm weight (llama.cpp multiplies by the weight,
 Gemma by 1 + w): subtracted here. Its files say the window and both rotary bases but not
@@ -34,9 +34,11 @@ from kvchat.errors import ModelLoadError
 from kvchat.model.gguf.dequant import dequantize
 from kvchat.model.gguf.file import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("gemma3", "llama", "phi3", "qwen2", "qwen3", "qwen3moe", "smollm3")
+SUPPORTED_ARCHITECTURES = (
+    "gemma3", "llama", "mistral3", "phi3", "qwen2", "qwen3", "qwen3moe", "smollm3"
+)  # fmt: skip
 # the architectures whose q/k rows llama.cpp's converter permutes (`llama_cpp_permute`)
-PERMUTED_ARCHITECTURES = ("llama", "smollm3")
+PERMUTED_ARCHITECTURES = ("llama", "mistral3", "smollm3")
 # llama.cpp runs SmolLM3 with rotary left out of every fourth layer; the file does not say
 SMOLLM3_NO_ROPE_INTERVAL = 4
 # llama.cpp's Gemma 3: every sixth layer global, and the 62-layer model (27B) scaling its
@@ -52,6 +54,7 @@ _HF_ARCH = {
     "phi3": ("phi3", "Phi3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "mistral3": ("ministral3", "Ministral3ForCausalLM"),
 }
 
 # GGUF tensor name -> Hugging Face name; {i} is the layer index.
@@ -107,8 +110,8 @@ def check_architecture(metadata: dict[str, object]) -> str:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported architecture {arch}; kvchat runs GGUFs of the gemma3 (text), llama "
-            "(Llama, Mistral, SmolLM2), phi3 (Phi-3, Phi-4-mini), qwen2, qwen3, qwen3moe and "
-            "smollm3 architectures. Choose a GGUF of one of those."
+            "(Llama, Mistral, SmolLM2), mistral3 (Ministral 3), phi3 (Phi-3, Phi-4-mini), "
+            "qwen2, qwen3, qwen3moe and smollm3 architectures. Choose a GGUF of one of those."
         )
     return str(arch)
 
@@ -193,6 +196,14 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, object]:
     rope_scaling = _rope_scaling(gguf, arch, head_dim, float(config["rope_theta"]))  # type: ignore[arg-type]
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
+    beta = md.get(f"{arch}.attention.temperature_scale")
+    if arch == "mistral3" and rope_scaling is not None and beta:
+        # Ministral 3's query scaling sits with its rotary, as in its config.json
+        config["rope_parameters"] = {
+            **rope_scaling,
+            "rope_theta": config["rope_theta"],
+            "llama_4_scaling_beta": _f32(beta),
+        }
     return config
 
 
@@ -253,12 +264,32 @@ def _rope_scaling(
         original = md.get(f"{arch}.rope.scaling.original_context_length")
         if original is not None:
             scaling["original_max_position_embeddings"] = int(original)  # type: ignore[call-overload]
+        if kind == "yarn":
+            scaling.update(_yarn_fields(md, arch))
         return scaling
     if "rope_freqs.weight" in gguf.tensors:
         info = gguf.tensors["rope_freqs.weight"]
         factors = dequantize(gguf.raw(info.name), info.ggml_type, info.shape).double()
         return _llama3_rope_scaling(factors, head_dim, theta)
     return None
+
+
+def _yarn_fields(md: dict[str, object], arch: str) -> dict[str, object]:
+    """YaRN's ramp bounds and attention scale as the converter writes them: `yarn_log_mul`
+    is transformers' `mscale_all_dim` (Ministral 3's; its `mscale` is the same 1)."""
+    fields: dict[str, object] = {}
+    for key, name in (
+        ("yarn_beta_fast", "beta_fast"),
+        ("yarn_beta_slow", "beta_slow"),
+        ("yarn_attn_factor", "attention_factor"),
+    ):
+        value = md.get(f"{arch}.rope.scaling.{key}")
+        if value is not None:
+            fields[name] = _f32(value)
+    log_mul = md.get(f"{arch}.rope.scaling.yarn_log_multiplier")
+    if log_mul:
+        fields["mscale"] = fields["mscale_all_dim"] = _f32(log_mul)
+    return fields
 
 
 def _longrope_scaling(gguf: GGUFFile, arch: str) -> dict[str, object]:
