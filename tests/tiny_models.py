@@ -53,6 +53,19 @@ MINISTRAL3_ROPE = {
     "llama_4_scaling_beta": 0.1,
 }
 
+# gpt-oss's rotary (YaRN, not truncated) and window, scaled down from an original context
+# of 4,096 and a window of 128
+GPT_OSS_WINDOW = 16
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 150_000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 64,
+}
+
 # Gemma 3's window, scaled down from 512 (1B) and 1,024 (4B and up)
 GEMMA3_WINDOW = 16
 
@@ -71,11 +84,13 @@ def write_tiny_model(
     with_tokenizer: bool = True,
     **overrides,
 ) -> Path:
-    """Write a tiny random model of `family` ("gemma3_text", "llama", "llama3",
+    """Write a tiny random model of `family` ("gemma3_text", "gpt_oss", "llama", "llama3",
     "ministral3", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3") into `folder`."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
+        GptOssConfig,
+        GptOssForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         Ministral3Config,
@@ -142,6 +157,18 @@ def write_tiny_model(
             eos_token_id=2,
         )
         model = Gemma3ForCausalLM(config)
+    elif family == "gpt_oss":
+        # gpt-oss-20b's routing and layer pattern scaled down: 4 of 32 experts there, 2 of 8
+        # here; windowed and global layers alternating, a window of GPT_OSS_WINDOW tokens
+        config = GptOssConfig(
+            **{"head_dim": 16, **shapes, "num_hidden_layers": 4},
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=GPT_OSS_WINDOW,
+            rope_parameters={**GPT_OSS_ROPE},
+            pad_token_id=None,
+        )
+        model = GptOssForCausalLM(config)
     elif family == "ministral3":
         config = Ministral3Config(
             **{
@@ -186,6 +213,10 @@ def write_tiny_model(
                 p.uniform_(10.0, 20.0)
             elif family == "gemma3_text" and name.endswith("norm.weight"):
                 p.uniform_(-0.5, 0.5)  # Gemma's start at zeros (a factor of 1 + w)
+            elif family == "gpt_oss" and name.endswith("sinks"):
+                p.normal_(0.0, 1.0)  # a sink comparable to a row's scores
+            elif family == "gpt_oss" and (name.endswith("bias") or "experts" in name):
+                p.normal_(0.0, 0.1)  # the stacked experts are 3-d: not scaled above
     model.save_pretrained(folder, safe_serialization=True)
     if with_tokenizer:
         from tests.tiny_tokenizers import write_tiny_tokenizer

@@ -70,11 +70,13 @@ class Attention(Protocol):
         v: torch.Tensor,
         *,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] (already rotated) -> attention output [T, Hq, D].
 
         `window`: each query sees only the last `window` positions up to its own (a
-        sliding-window layer); None: all of them. Layers without a window leave it out."""
+        sliding-window layer); None: all of them. `sinks` [Hq]: a logit per query head
+        that joins its softmax with no value (gpt-oss). Layers without them leave them out."""
         ...
 
 
@@ -87,6 +89,40 @@ def window_mask(
     if window is not None:
         seen &= key_positions[None, :] > query_positions[:, None] - window
     return seen
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [n, Hq, D] over k/v [L, Hkv, D] -> [n, Hq, D], where `allowed` [n, L] (None:
+    every key for every query) and with each head's sink logit in its softmax.
+
+    Without sinks this is SDPA. With them, the scores, the sink column and the softmax
+    are computed in float32 (transformers' eager attention for gpt-oss, in the model's
+    dtype there) and the sink's share of each row is dropped before the values."""
+    if sinks is None:
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            v.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            attn_mask=allowed,
+            enable_gqa=True,
+        )
+        return o[0].transpose(0, 1)
+    n, heads, dim = q.shape
+    group = heads // k.shape[1]
+    keys = k.float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+    values = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), keys) * dim**-0.5  # [Hq, n, L]
+    if allowed is not None:
+        scores.masked_fill_(~allowed, float("-inf"))
+    sink = sinks.float()[:, None, None].expand(heads, n, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("hnl,lhd->nhd", probs, values).to(q.dtype)
 
 
 class NoCacheAttention:
@@ -107,21 +143,24 @@ class NoCacheAttention:
         v: torch.Tensor,
         *,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ):
         out = torch.empty_like(q)
         start = 0
         for n in self.batch.query_lens:
-            qs = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
-            ks = k[start : start + n].transpose(0, 1)  # [Hkv, n, D]
-            vs = v[start : start + n].transpose(0, 1)
-            if window is None or n <= window:
-                mask, causal = None, True
-            else:
-                positions = torch.arange(n, device=q.device)
-                mask, causal = window_mask(positions, positions, window), False
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, is_causal=causal, enable_gqa=True
-            )
-            out[start : start + n] = o.transpose(0, 1)
+            rows = slice(start, start + n)
             start += n
+            if sinks is None and (window is None or n <= window):
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    q[rows].transpose(0, 1),  # [Hq, n, D]
+                    k[rows].transpose(0, 1),  # [Hkv, n, D]
+                    v[rows].transpose(0, 1),
+                    is_causal=True,
+                    enable_gqa=True,
+                )
+                out[rows] = o.transpose(0, 1)
+                continue
+            positions = torch.arange(n, device=q.device)
+            allowed = window_mask(positions, positions, window)
+            out[rows] = reference_attention(q[rows], k[rows], v[rows], allowed, sinks)
         return out

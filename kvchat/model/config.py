@@ -7,7 +7,10 @@ SmolLM3 leaves rotary out of every fourth layer (`rope_layers`); models that att
 within a window (`sliding_window`) run with their context capped at it; Phi-3 / Phi-4-mini fuse
 q/k/v and gate/up in their files (split on load, `fused_weights`), rotate only part of
 each head (`partial_rotary_factor`) and scale rotary by LongRoPE's per-frequency factors;
-Qwen3-MoE replaces the feed-forward of its sparse layers by experts (`num_experts`);
+Qwen3-MoE replaces the feed-forward of its sparse layers by experts (`num_experts`), as
+gpt-oss does in every layer (its router biased, its SwiGLU clamped: `expert_kind`), which
+also adds a learned sink to each head's softmax (`attention_sinks`) and windows every
+other layer;
 Gemma 3 attends within a window in five layers of six (`layer_windows`) with a rotary
 base of their own, normalizes with (1 + w) before and after attention and the
 feed-forward, scales its embeddings and queries and feeds forward through GELU (`gemma`).
@@ -25,13 +28,14 @@ from typing import Any
 from kvchat.errors import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = (
-    "gemma3_text", "llama", "ministral3", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe",
-    "smollm3",
+    "gemma3_text", "gpt_oss", "llama", "ministral3", "mistral", "phi3", "qwen2", "qwen3",
+    "qwen3_moe", "smollm3",
 )  # fmt: skip
 SUPPORTED_FAMILIES = (
-    "Gemma 3 (text), Llama 2/3.x, Ministral 3, Mistral, Phi-3 / Phi-4-mini, Qwen2/2.5, Qwen3 "
-    "(dense and MoE), SmolLM2, SmolLM3, TinyLlama"
+    "Gemma 3 (text), gpt-oss, Llama 2/3.x, Ministral 3, Mistral, Phi-3 / Phi-4-mini, "
+    "Qwen2/2.5, Qwen3 (dense and MoE), SmolLM2, SmolLM3, TinyLlama"
 )
+GPT_OSS = "gpt_oss"
 # vision-language checkpoints whose text model kvchat runs (their images are not read)
 TEXT_MODEL_OF = {"gemma3": "gemma3_text", "mistral3": "ministral3"}
 GEMMA3 = "gemma3_text"
@@ -107,6 +111,12 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # "qwen": softmax over all experts, then top-k; "gpt_oss": top-k of the router's biased
+    # logits, softmax over those, experts with biases and a clamped SwiGLU (alpha, limit)
+    expert_kind: str = "qwen"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax
     # Gemma 3: each layer's attention window (None: the whole context), the rotary base of
     # the windowed layers, the query scale's denominator (transformers' scaling is
     # query_pre_attn_scalar ** -0.5) and the logits' tanh soft cap, where set
@@ -170,7 +180,7 @@ class ModelConfig:
                 f"Unsupported architecture {archs[0]!r} (model_type {model_type!r}). kvchat runs "
                 f"{SUPPORTED_FAMILIES}. Pick a model of one of those with --model."
             )
-        window = None if model_type == GEMMA3 else _sliding_window(raw, model_type)
+        window = None if model_type in (GEMMA3, GPT_OSS) else _sliding_window(raw, model_type)
         try:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
@@ -212,6 +222,8 @@ class ModelConfig:
             )
             if model_type == GEMMA3:  # its own rotary per layer type, tied by default
                 fields.update(_gemma3(raw))
+            if model_type == GPT_OSS:
+                fields.update(_gpt_oss(raw))
             beta = rope.get("llama_4_scaling_beta")
             if beta and model_type == "ministral3" and fields["rope_scaling"] is not None:
                 fields["query_scaling_beta"] = float(beta)
@@ -272,22 +284,14 @@ def _gemma3(raw: dict[str, Any]) -> dict[str, Any]:
         types = [
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
         ]
-    if len(types) != layers:
-        raise ModelLoadError(
-            f"config.json's layer_types has {len(types)} entries for {layers} layers; the model "
-            "folder looks damaged. Re-download it."
-        )
-    window = raw.get("sliding_window")
-    windows = tuple(
-        int(window) if kind == "sliding_attention" and window else None for kind in types
-    )
+    windows = _layer_windows({**raw, "layer_types": types}, layers)
     rope = raw.get("rope_parameters") or {}
     full = rope.get("full_attention") or {}
     local = rope.get("sliding_attention") or {}
     scaling = full if full.get("rope_type") not in (None, "default") else raw.get("rope_scaling")
     max_positions = int(raw.get("max_position_embeddings", 131072))
     return {
-        "layer_windows": windows if any(windows) else None,
+        "layer_windows": windows,
         "rope_theta": float(full.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
         "rope_scaling": _rope_scaling(scaling, max_positions, None),
         "local_rope_theta": float(
@@ -301,8 +305,50 @@ def _gemma3(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _layer_windows(raw: dict[str, Any], layers: int) -> tuple[int | None, ...] | None:
+    """Each layer's window from `layer_types` ("sliding_attention" layers attend within
+    `sliding_window`); None when no layer does."""
+    types = raw.get("layer_types") or []
+    if len(types) != layers:
+        raise ModelLoadError(
+            f"config.json's layer_types has {len(types)} entries for {layers} layers; the model "
+            "folder looks damaged. Re-download it."
+        )
+    window = raw.get("sliding_window")
+    windows = tuple(
+        int(window) if kind == "sliding_attention" and window else None for kind in types
+    )
+    return windows if any(windows) else None
+
+
+def _gpt_oss(raw: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's fields: windows on the layers `layer_types` says (every other one by
+    transformers' default), sinks, biased routing and the clamped SwiGLU's constants."""
+    layers = int(raw["num_hidden_layers"])
+    if raw.get("layer_types") is None:
+        kinds = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+        raw = {**raw, "layer_types": kinds}
+    return {
+        "layer_windows": _layer_windows(raw, layers),
+        "attention_bias": bool(raw.get("attention_bias", True)),
+        "attention_sinks": True,
+        "expert_kind": GPT_OSS,
+        "moe_intermediate_size": int(raw["intermediate_size"]),
+        "norm_topk_prob": True,  # the softmax over the chosen experts sums to 1
+        "swiglu_alpha": float(raw.get("swiglu_alpha", 1.702)),
+        "swiglu_limit": float(raw.get("swiglu_limit", 7.0)),
+    }
+
+
 def _experts(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """Qwen3-MoE's expert fields; none for the dense families."""
+    """Qwen3-MoE's and gpt-oss's expert fields; none for the dense families."""
+    if model_type == GPT_OSS:
+        return {
+            "num_experts": int(raw.get("num_local_experts") or raw["num_experts"]),
+            "num_experts_per_tok": int(
+                raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 4
+            ),
+        }
     if model_type != "qwen3_moe":
         return {}
     experts = {

@@ -43,7 +43,8 @@ class Gemma3Layer:
         self.config = config
         self.window = config.layer_window(index)
         self.rotates = True
-        self.experts = None  # Gemma 3 has no experts (the Transformer asks every layer)
+        self.experts = None  # Gemma 3 has no experts nor sinks (the Transformer asks)
+        self.sinks = None
         norm = {
             name: gemma_multiplier(weights[f"{name}.weight"])
             for name in (

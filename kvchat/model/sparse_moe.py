@@ -1,5 +1,12 @@
-"""A sparse mixture-of-experts feed-forward (Qwen3-MoE): a router picks `k` experts a
-token, each a SwiGLU MLP of its own, and their outputs are summed by the router's weights.
+"""A sparse mixture-of-experts feed-forward (Qwen3-MoE, gpt-oss): a router picks `k`
+experts a token, each a SwiGLU MLP of its own, and their outputs are summed by the
+router's weights.
+
+The two families differ in three places, each a branch here: Qwen3-MoE's router takes a
+softmax over every expert, then the top k (renormalized where the config says); gpt-oss's
+takes the top k of its biased logits, then a softmax over those. gpt-oss's experts have
+biases, and its SwiGLU clamps the gate from above and `up` both ways, then computes
+(up + 1) * gate * sigmoid(alpha * gate).
 
 The step's tokens are grouped by expert, so each expert the step needs runs one matrix
 product over all its tokens, not one per token: on a CPU a decode of a few sequences
@@ -27,17 +34,28 @@ class SparseMoE:
         down: torch.Tensor,
         experts_per_token: int,
         normalize: bool,
+        *,
+        router_bias: torch.Tensor | None = None,
+        gate_up_bias: torch.Tensor | None = None,  # [E, 2 I]
+        down_bias: torch.Tensor | None = None,  # [E, hidden]
+        clamp: tuple[float, float] | None = None,  # gpt-oss's (alpha, limit)
     ):
         self.router = router
         self.gate_up = gate_up
         self.down = down
         self.k = experts_per_token
         self.normalize = normalize
+        self.router_bias = router_bias
+        self.gate_up_bias = gate_up_bias
+        self.down_bias = down_bias
+        self.clamp = clamp
 
     @classmethod
     def from_weights(cls, weights: dict[str, torch.Tensor], config) -> SparseMoE:
         """From Hugging Face's per-expert names (`mlp.experts.{e}.gate_proj.weight`, ...)
-        under `mlp.`; `mlp.gate.weight` is the router."""
+        under `mlp.`; `mlp.gate.weight` is the router. gpt-oss's: `from_gpt_oss`."""
+        if config.expert_kind == "gpt_oss":
+            return cls.from_gpt_oss(weights, config)
         experts = range(config.num_experts)
 
         def stacked(*parts: str) -> torch.Tensor:
@@ -56,8 +74,27 @@ class SparseMoE:
             config.norm_topk_prob,
         )
 
+    @classmethod
+    def from_gpt_oss(cls, weights: dict[str, torch.Tensor], config) -> SparseMoE:
+        """gpt-oss's stacked experts: gate/up [E, hidden, 2 I] with gate and up columns
+        interleaved, down [E, I, hidden], each with a bias; `mlp.router` with a bias."""
+        gate_up = weights["mlp.experts.gate_up_proj"]
+        bias = weights["mlp.experts.gate_up_proj_bias"]
+        return cls(
+            weights["mlp.router.weight"],
+            torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], dim=-1).transpose(1, 2).contiguous(),
+            weights["mlp.experts.down_proj"].transpose(1, 2).contiguous(),
+            config.num_experts_per_tok,
+            normalize=False,
+            router_bias=weights["mlp.router.bias"],
+            gate_up_bias=torch.cat([bias[:, ::2], bias[:, 1::2]], dim=-1).contiguous(),
+            down_bias=weights["mlp.experts.down_proj_bias"],
+            clamp=(config.swiglu_alpha, config.swiglu_limit),
+        )
+
     def tensors(self) -> list[torch.Tensor]:
-        return [self.router, self.gate_up, self.down]
+        optional = (self.router_bias, self.gate_up_bias, self.down_bias)
+        return [self.router, self.gate_up, self.down, *(t for t in optional if t is not None)]
 
     def nbytes(self) -> int:
         """What one token reads: the router and its k experts (a step of many tokens
@@ -68,12 +105,7 @@ class SparseMoE:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        logits = F.linear(x, self.router)  # [T, E]
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, self.k, dim=-1)  # [T, k]
-        if self.normalize:
-            weights /= weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        weights, chosen = self._route(x)  # [T, k]
         out = torch.zeros_like(x)
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs, by expert
@@ -85,8 +117,37 @@ class SparseMoE:
             if count == 0:
                 continue
             rows = tokens[start : start + count]
-            h = silu_mul(F.linear(x[rows], self.gate_up[expert]))
-            y = F.linear(h, self.down[expert]) * slot_weights[start : start + count, None]
+            h = self._activation(
+                F.linear(x[rows], self.gate_up[expert], self._bias(self.gate_up_bias, expert))
+            )
+            y = F.linear(h, self.down[expert], self._bias(self.down_bias, expert))
+            y = y * slot_weights[start : start + count, None]
             out.index_add_(0, rows, y)
             start += count
         return out
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's k experts and their weights, in x's dtype."""
+        logits = F.linear(x, self.router, self.router_bias)  # [T, E]
+        if self.clamp is not None:  # gpt-oss: top k of the logits, softmax over those
+            top, chosen = torch.topk(logits, self.k, dim=-1)
+            return torch.softmax(top, dim=-1), chosen
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.k, dim=-1)
+        if self.normalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), chosen
+
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[n, 2 I] (gate, then up) -> [n, I]."""
+        if self.clamp is None:
+            return silu_mul(gate_up)
+        alpha, limit = self.clamp
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    @staticmethod
+    def _bias(bias: torch.Tensor | None, expert: int) -> torch.Tensor | None:
+        return None if bias is None else bias[expert]

@@ -53,8 +53,15 @@ class Layer:
             [weights[f"self_attn.{p}_proj.weight"] for p in qkv],
             [weights[f"self_attn.{p}_proj.bias"] for p in qkv] if config.attention_bias else None,
         )  # [(Hq + 2 Hkv) D, hidden]
-        self.o: Linear = make_linear([weights["self_attn.o_proj.weight"]])
-        # Qwen3-MoE's sparse layers: experts in place of the one MLP
+        o_bias = weights.get("self_attn.o_proj.bias")  # gpt-oss's
+        self.o: Linear = make_linear(
+            [weights["self_attn.o_proj.weight"]], [o_bias] if o_bias is not None else None
+        )
+        # gpt-oss: a learned logit per query head joins its softmax; every other layer
+        # attends within a window
+        self.sinks = weights.get("self_attn.sinks") if config.attention_sinks else None
+        self.window = config.layer_window(index)
+        # Qwen3-MoE's and gpt-oss's sparse layers: experts in place of the one MLP
         self.experts = (
             SparseMoE.from_weights(weights, config) if config.layer_is_sparse(index) else None
         )
@@ -94,7 +101,10 @@ class Layer:
         v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
         if query_scale is not None:
             q.mul_(query_scale)
-        attn = attention(index, q, k, v)  # [T, Hq, D]
+        if self.sinks is None and self.window is None:
+            attn = attention(index, q, k, v)  # [T, Hq, D]
+        else:
+            attn = attention(index, q, k, v, window=self.window, sinks=self.sinks)
         h, x = add_rms_norm(h, self.o(attn.reshape(t, c.q_size)), self.post_norm, c.rms_norm_eps)
         if self.experts is not None:
             return h, self.experts(x)
@@ -314,8 +324,10 @@ def _missing_weights(config: ModelConfig, weights: dict) -> list[str]:
     )
     if config.qk_norm:
         attention = (*attention, "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+    if config.attention_sinks:
+        attention = (*attention, "self_attn.sinks")
     dense = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
-    experts = (
+    experts: tuple[str, ...] = (
         "mlp.gate.weight",
         *(
             f"mlp.experts.{e}.{p}.weight"
@@ -323,6 +335,12 @@ def _missing_weights(config: ModelConfig, weights: dict) -> list[str]:
             for p in ("gate_proj", "up_proj", "down_proj")
         ),
     )
+    if config.expert_kind == "gpt_oss":  # stacked, with biases
+        experts = (
+            "mlp.router.weight",
+            "mlp.router.bias",
+            *(f"mlp.experts.{p}{b}" for p in ("gate_up_proj", "down_proj") for b in ("", "_bias")),
+        )
     for i in range(config.num_layers):
         feed_forward = experts if config.layer_is_sparse(i) else dense
         names.extend(f"model.layers.{i}.{n}" for n in (*attention, *feed_forward))

@@ -248,7 +248,7 @@ class KvchatPeer(SpeedMeasured):
             attention,
             model.transformer.device,
             kv_format,
-            windowed=model.config.layer_windows is not None,
+            windowed=model.config.layer_windows is not None or model.config.attention_sinks,
         )
         self.disk_scratch = disk_scratch
         self._disk_dir: Path | None = None

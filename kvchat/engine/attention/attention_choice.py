@@ -35,7 +35,8 @@ def resolve_attention(
 ) -> str:
     """The attention an engine on `device` runs for `choice` (None: the device's default);
     a `UsageError` saying what to use instead when the device, the KV format or the model
-    (`windowed`: it has sliding-window layers, which flex does not mask) cannot run it."""
+    (`windowed`: it has sliding-window layers or sinks, which flex does not compute)
+    cannot run it."""
     if choice is None:
         choice = default_attention(device)
         if windowed and choice == "flex":

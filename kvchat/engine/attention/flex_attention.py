@@ -277,11 +277,13 @@ class FlexPagedAttention:
         v: torch.Tensor,
         *,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; stores k/v at their slots first.
 
-        No sliding window: `attention_choice.resolve_attention` keeps windowed models off."""
-        if window is not None:
+        No sliding window nor sinks: `attention_choice.resolve_attention` keeps such
+        models off."""
+        if window is not None or sinks is not None:
             raise ValueError(WINDOWED_MODELS)
         assert self._mask is not None and self._slots is not None and self._rows is not None
         k_flat, v_flat = self._flat_k[layer], self._flat_v[layer]
@@ -307,8 +309,8 @@ class FlexPagedAttention:
 
 
 WINDOWED_MODELS = (
-    "--attention flex does not attend within a sliding window (Gemma 3's layers) yet; "
-    "run this model with --attention sdpa (or native, on a CPU)."
+    "--attention flex does not attend within a sliding window nor with sinks (Gemma 3's "
+    "and gpt-oss's layers) yet; run this model with --attention sdpa (or native, on a CPU)."
 )
 
 

@@ -21,11 +21,13 @@ heads into query rows, so K/V stream once per kv head rather than once per query
 Every call into torch's attention on a CPU goes through `flash_shapes`, which rounds
 its shapes so that torch builds a bounded number of kernels over a process's life.
 
-A sliding-window layer (Gemma 3's) whose sequences all fit their window is full
-attention and takes the paths above. Once a context outgrows the window, that layer
+A sliding-window layer (Gemma 3's, gpt-oss's) whose sequences all fit their window is
+full attention and takes the paths above. Once a context outgrows the window, that layer
 reads each sequence's last `window - 1` positions before its first new token and its
-new tokens, gathered, in one masked SDPA call (`_attend_within_window`): at decode a
-window's worth of keys, not the whole context.
+new tokens, gathered, in one masked call (`_attend_gathered`): at decode a window's
+worth of keys, not the whole context. A layer with attention sinks (gpt-oss) always
+takes that path: its softmax has a column no kernel here computes
+(`batch.reference_attention`).
 
 It stays one module: `prepare` decides once per forward which of these paths each
 sequence takes, and every layer's call follows that decision with the same slots.
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from kvchat.engine.attention import flash_shapes, native_attention
-from kvchat.model.batch import ForwardBatch, window_mask
+from kvchat.model.batch import ForwardBatch, reference_attention, window_mask
 
 # A chunk's scattered context is read in at most this many runs of pages; more: one
 # gathered copy (0: never by runs, one masked call over the whole context: the tests'
@@ -95,12 +97,12 @@ class _ContextView:
 
 
 @dataclass(frozen=True)
-class _WindowRead:
-    """What one sequence's new tokens read in a sliding-window layer."""
+class _GatheredRead:
+    """What one sequence's new tokens read in a layer that gathers its keys."""
 
     first_row: int  # its first new token among the batch's
     queries: int
-    slots: torch.Tensor  # [L] flat slots of the keys its windows reach, in position order
+    slots: torch.Tensor  # [L] flat slots of the keys it reads, in position order
     mask: torch.Tensor | None  # [n, L] True where attended; None: every key (one query)
 
 
@@ -131,9 +133,9 @@ class PagedAttention:
         self.scale = self.head_dim**-0.5
         self._batch: ForwardBatch | None = None
         self._page_lists: Sequence[Sequence[int]] = ()
-        # per window size, made by the first windowed layer of a forward: per sequence,
-        # (first row, new tokens, slots of the keys it reads, mask or None)
-        self._window_plans: dict[int, list[_WindowRead]] = {}
+        # per window size (None: no window), made by the first layer of a forward that
+        # reads its keys gathered: what each sequence reads (`_GatheredRead`)
+        self._gathered_plans: dict[int | None, list[_GatheredRead]] = {}
         self._slots: torch.Tensor | None = None
         self._views: list[_ContextView | None] = []  # None: read by the kernel
         self._decode_index: torch.Tensor | None = None
@@ -207,7 +209,7 @@ class PagedAttention:
                 views.append(_ContextView(0, total, flat.to(device), page_idx.to(device)))
         self._batch = batch
         self._page_lists = page_lists
-        self._window_plans = {}
+        self._gathered_plans = {}
         self._slots = torch.tensor(slots, dtype=torch.long, device=device)
         self._views = views
         self._masks = {}
@@ -331,13 +333,14 @@ class PagedAttention:
         v: torch.Tensor,
         *,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         assert self._batch is not None and self._slots is not None, "prepare() first"
         k_flat, v_flat = self._layers[layer]
-        if window is not None and max(self._batch.context_lens) > window:
+        if sinks is not None or (window is not None and max(self._batch.context_lens) > window):
             self._write(k_flat, k)
             self._write(v_flat, v)
-            return self._attend_within_window(q, k_flat, v_flat, window)
+            return self._attend_gathered(q, k_flat, v_flat, window, sinks)
         all_native = self._native is not None and self._native_rows is None
         if all_native and k_flat.scale is None and _kernel_can_store(k_flat, k, v):
             return self._native_decode(q, k_flat, v_flat, (k, v, self._slots))  # writes too
@@ -349,43 +352,46 @@ class PagedAttention:
             return self._decode(q, k_flat, v_flat)
         return self._prefill(q, k_flat, v_flat)
 
-    def _attend_within_window(
-        self, q: torch.Tensor, k_flat: _FlatKV, v_flat: _FlatKV, window: int
+    def _attend_gathered(
+        self,
+        q: torch.Tensor,
+        k_flat: _FlatKV,
+        v_flat: _FlatKV,
+        window: int | None,
+        sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        """A sliding-window layer: per sequence, its new tokens over the keys their windows
-        reach (gathered), masked where a key is past a query's window or in its future."""
-        plan = self._window_plans.get(window)
+        """Per sequence, its new tokens over the keys their windows reach (all of the
+        context without a window), gathered, masked where a key is past a query's window
+        or in its future; sinks in the softmax where given."""
+        plan = self._gathered_plans.get(window)
         if plan is None:
-            plan = self._window_plans[window] = self._plan_window(window)
+            plan = self._gathered_plans[window] = self._plan_gathered(window)
         out = torch.empty_like(q)
         for read in plan:
             rows = slice(read.first_row, read.first_row + read.queries)
-            qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            ks = self._gather(k_flat, read.slots).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            vs = self._gather(v_flat, read.slots).transpose(0, 1).unsqueeze(0)
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qs, ks.to(qs.dtype), vs.to(qs.dtype), attn_mask=read.mask, enable_gqa=True
-            )
-            out[rows] = o[0].transpose(0, 1)
+            keys = self._gather(k_flat, read.slots)  # [L, Hkv, D]
+            values = self._gather(v_flat, read.slots)
+            out[rows] = reference_attention(q[rows], keys, values, read.mask, sinks)
         return out
 
-    def _plan_window(self, window: int) -> list[_WindowRead]:
+    def _plan_gathered(self, window: int | None) -> list[_GatheredRead]:
         assert self._batch is not None
         S = self.page_size
         device = self.k_all.device
-        plan: list[_WindowRead] = []
+        plan: list[_GatheredRead] = []
         first_row = 0
         for n, total, pages in zip(
             self._batch.query_lens, self._batch.context_lens, self._page_lists, strict=True
         ):
-            first = max(0, total - n - window + 1)  # the first query's window starts here
+            # where the first query's window starts
+            first = 0 if window is None else max(0, total - n - window + 1)
             slots = [pages[p // S] * S + p % S for p in range(first, total)]
             mask = None
             if n > 1:  # one query sees its whole window: no mask
                 keys = torch.arange(first, total)
                 mask = window_mask(torch.arange(total - n, total), keys, window).to(device)
             plan.append(
-                _WindowRead(
+                _GatheredRead(
                     first_row, n, torch.tensor(slots, dtype=torch.long, device=device), mask
                 )
             )
