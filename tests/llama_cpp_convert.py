@@ -71,15 +71,19 @@ def convert(hf_folder: Path, out: Path, outtype: str = "f32") -> Path:
     return out
 
 
-def requantize(source: Path, out: Path, qtype: str = "Q4_0") -> Path:
-    """`source` (a converter's f32 GGUF) with its layers' matrices in `qtype`, the rest as
-    it is: what `llama-quantize` makes of the layers, which the llama-server build leaves
-    out. Metadata is copied field by field; the matrices are quantized by gguf-py's own
-    reference code."""
+def requantize(
+    source: Path, out: Path, qtype: str | None = "Q4_0", experts: str | None = None
+) -> Path:
+    """`source` (a converter's f32 GGUF) with its layers' matrices in `qtype` and its
+    stacked experts (`*_exps.weight`) in `experts` (None: as they are), the rest as it is:
+    what `llama-quantize` makes of the layers, which the llama-server build leaves out
+    (gpt-oss's files hold their experts in MXFP4). Metadata is copied field by field; the
+    matrices are quantized by gguf-py's own reference code."""
     import gguf
     import numpy as np
 
-    kind = gguf.GGMLQuantizationType[qtype]
+    kind = gguf.GGMLQuantizationType[qtype] if qtype else None
+    expert_kind = gguf.GGMLQuantizationType[experts] if experts else None
     reader = gguf.GGUFReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(out, arch)
@@ -91,8 +95,12 @@ def requantize(source: Path, out: Path, qtype: str = "Q4_0") -> Path:
         writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
     for tensor in reader.tensors:
         data = np.asarray(tensor.data)
-        if tensor.name.startswith("blk.") and data.ndim == 2 and data.dtype == np.float32:
+        layer_matrix = tensor.name.startswith("blk.") and data.dtype == np.float32
+        if kind is not None and layer_matrix and data.ndim == 2:
             writer.add_tensor(tensor.name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        elif expert_kind is not None and layer_matrix and tensor.name.endswith("_exps.weight"):
+            quantized = gguf.quants.quantize(data, expert_kind)
+            writer.add_tensor(tensor.name, quantized, raw_dtype=expert_kind)
         else:
             writer.add_tensor(tensor.name, data)
     writer.write_header_to_file()

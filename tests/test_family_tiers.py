@@ -2,8 +2,8 @@
 prefix from the device, from the host tier (after another evicted it) and from the
 disk tier (after a restart) writes what a cold engine writes. Qwen3's q/k norms,
 SmolLM3's layers without rotary, Phi-3's partial LongRoPE, Qwen3-MoE's experts, Gemma 3's
-windows and Ministral 3's YaRN all shape the K/V the tiers keep, so each family is checked,
-not only Llama's."""
+windows, Ministral 3's YaRN and gpt-oss's sinks all shape the K/V the tiers keep, so each
+family is checked, not only Llama's."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from kvchat.model.loader import load_model
 from tests.engine_helpers import Collector, small_engine
 from tests.tiny_models import PHI3_ORIGINAL_CONTEXT, write_tiny_model
 
-FAMILIES = ["qwen3", "qwen3_moe", "smollm3", "phi3", "gemma3_text", "ministral3"]
+FAMILIES = ["qwen3", "qwen3_moe", "smollm3", "phi3", "gemma3_text", "ministral3", "gpt_oss"]
 PAGE = 16
 
 

@@ -32,6 +32,7 @@ F16_FIELDS = {
     GGMLType.Q4_K: (0, 2),
     GGMLType.Q5_K: (0, 2),
     GGMLType.Q6_K: (208,),
+    GGMLType.MXFP4: (),  # its scale is a power-of-two byte: every value is a valid one
 }
 
 

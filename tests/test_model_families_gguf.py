@@ -44,6 +44,11 @@ FAMILIES = {
         == (hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, True)
         and c.mlp_only_layers == hf.mlp_only_layers == ()
     ),
+    # llama.cpp's fixed pattern (windowed layers first), YaRN untruncated, the experts
+    "gpt_oss": lambda c, hf: (
+        (c.layer_windows, c.rope_scaling, c.num_experts, c.num_experts_per_tok)
+        == (hf.layer_windows, hf.rope_scaling, hf.num_experts, hf.num_experts_per_tok)
+    ),
     # YaRN and the query scaling from the file
     "ministral3": lambda c, hf: (
         (c.rope_scaling, c.query_scaling_beta) == (hf.rope_scaling, hf.query_scaling_beta)
@@ -54,10 +59,10 @@ FAMILIES = {
 # the context each family runs in here: Phi-3's short LongRoPE set, as transformers uses
 # for a prompt this short (tests/test_model_phi3.py)
 CONTEXT = {"phi3": PHI3_ORIGINAL_CONTEXT}
-# Q8_0's rounding moves the tiny Gemma's logits by 0.13 in transformers itself (its weights
-# rounded the same way: six layers of scaled-up random weights amplify it); the f32 file
-# is the exact check
-Q8_TOLERANCE = {"gemma3_text": 0.2}
+# Q8_0's rounding moves the tiny Gemma's logits by 0.13 and the tiny gpt-oss's by 0.22 in
+# transformers itself (their weights rounded the same way: layers of scaled-up random
+# weights amplify it); the f32 file is the exact check
+Q8_TOLERANCE = {"gemma3_text": 0.2, "gpt_oss": 0.3}
 # llama.cpp's qwen3moe has no dense layers (the converter refuses mlp_only_layers)
 FOLDER_OPTIONS = {"qwen3_moe": {"mlp_only_layers": []}}
 
@@ -154,12 +159,6 @@ def test_llama_server_writes_the_same_greedy_tokens_from_the_same_file(family_fo
     """llama.cpp's own engine on the converter's file: its greedy continuation of a
     prompt of ids is kvchat's (a 256-token context, so Phi-3 runs LongRoPE's short set
     in both)."""
-    import json
-    import urllib.request
-
-    from tests.engine_helpers import generate
-    from tests.servers import Unavailable, start_llama_server
-
     family, folder = family_folder
     if family == "phi3":
         pytest.skip(
@@ -170,6 +169,16 @@ def test_llama_server_writes_the_same_greedy_tokens_from_the_same_file(family_fo
         gguf = convert(folder, tmp_path / f"{family}-f32.gguf", "f32")
     except ConverterUnavailable as exc:
         pytest.skip(f"llama.cpp's converter could not be fetched: {exc}")
+    assert_llama_server_writes_kvchats_tokens(gguf, family)
+
+
+def assert_llama_server_writes_kvchats_tokens(gguf, family: str) -> None:
+    import json
+    import urllib.request
+
+    from tests.engine_helpers import generate
+    from tests.servers import Unavailable, start_llama_server
+
     try:
         server = start_llama_server(gguf, slots=1, ctx=PHI3_ORIGINAL_CONTEXT)
     except Unavailable as exc:
@@ -190,7 +199,54 @@ def test_llama_server_writes_the_same_greedy_tokens_from_the_same_file(family_fo
     finally:
         server.stop()
     model = load_model(str(gguf), dtype="float32", device="cpu")
+    if family == "gpt_oss":
+        rounding_yarn_bounds_as_llama_cpp(model)
     ours = generate(
         model, ids, max_tokens=12, ignore_eos=True, context_tokens=PHI3_ORIGINAL_CONTEXT
     )
     assert ours == theirs
+
+
+def rounding_yarn_bounds_as_llama_cpp(model) -> None:
+    """llama.cpp rounds YaRN's ramp bounds outward to whole dimensions for every model;
+    transformers' gpt-oss (and kvchat, reading the file as gpt-oss's config says) does
+    not. With the rounding, llama-server's logits on this file are kvchat's to 0.002;
+    without it, the tiny model's ramp (over dimensions 0 to 1.56, rounded to 2) differs
+    enough to change its greedy tokens."""
+    from dataclasses import replace
+
+    from kvchat.model.rope import RotaryTable
+
+    t = model.transformer
+    t.config = replace(t.config, rope_scaling=replace(t.config.rope_scaling, truncate=True))
+    t.rotary = RotaryTable(t.config, t.max_positions, t.dtype, t.device)
+
+
+def test_gpt_oss_experts_in_mxfp4_decode_as_gguf_py_decodes_them(default_tokenizer, tmp_path):
+    """gpt-oss's GGUFs hold their experts in MXFP4 (a power-of-two scale and 4-bit E2M1
+    codes per 32 values): kvchat decodes them as gguf-py's reference does, bit for bit,
+    and runs the file. (llama-server is no oracle here: on a CPU it multiplies MXFP4 by
+    activations rounded to 8 bits, which moves the tiny model's near-tied tokens.)"""
+    import gguf as gguf_py
+
+    from tests.tiny_models import write_tiny_model
+
+    folder = write_tiny_model(
+        tmp_path / "gpt-oss", "gpt_oss", vocab_size=len(default_tokenizer), with_tokenizer=False
+    )
+    default_tokenizer.save_pretrained(folder)
+    try:
+        f32 = convert(folder, tmp_path / "gpt-oss-f32.gguf", "f32")
+    except ConverterUnavailable as exc:
+        pytest.skip(f"llama.cpp's converter could not be fetched: {exc}")
+    mxfp4 = requantize(f32, tmp_path / "gpt-oss-mxfp4.gguf", qtype=None, experts="MXFP4")
+    reader = gguf_py.GGUFReader(mxfp4)
+    gate = next(t for t in reader.tensors if t.name == "blk.1.ffn_gate_exps.weight")
+    assert gate.tensor_type == gguf_py.GGMLQuantizationType.MXFP4
+    expected = torch.from_numpy(gguf_py.quants.dequantize(gate.data, gate.tensor_type))
+    model = load_model(str(mxfp4), dtype="float32", device="cpu")
+    gate_rows = model.transformer.layers[1].experts.gate_up[:, : expected.shape[1]]
+    assert torch.equal(gate_rows, expected)  # [experts, I, hidden], gate before up
+    ids = torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    logits = kvchat_logits(model, ids, paged=True)
+    assert logits.shape == (40, len(default_tokenizer)) and torch.isfinite(logits).all()

@@ -121,3 +121,51 @@ def test_flex_attention_is_refused_with_what_to_use(gpt_oss_folder):
     model = load_model(str(gpt_oss_folder), dtype="float32", device="cpu")
     with pytest.raises(UsageError, match="--attention sdpa"):
         Engine(model, EngineConfig(attention="flex"), start=False)
+
+
+def to_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert tensor [E, columns, rows] (transformers' layout) as OpenAI's checkpoints
+    store it: blocks [E, rows, columns / 32, 16] and scales [E, rows, columns / 32]."""
+    from kvchat.model.safetensors_folder import FP4_VALUES
+
+    rows = weight.transpose(1, 2)  # [E, rows, columns]
+    groups = rows.reshape(*rows.shape[:2], -1, 32)
+    largest = groups.abs().amax(-1, keepdim=True).clamp(min=2.0**-100)
+    exponent = torch.floor(torch.log2(largest)) - 2  # the group's largest / 2^e in [4, 8)
+    values = torch.tensor(FP4_VALUES)
+    codes = (groups / 2.0**exponent).unsqueeze(-1).sub(values).abs().argmin(-1)  # nearest
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponent.squeeze(-1) + 127).to(torch.uint8)
+
+
+def test_a_checkpoint_with_mxfp4_experts_reads_as_transformers_dequantizes_it(
+    gpt_oss_folder, tmp_path
+):
+    """gpt-oss as OpenAI ships it: experts in MXFP4 (`*_blocks`, `*_scales`). kvchat's
+    logits on that folder equal transformers' on its weights dequantized by transformers'
+    own MXFP4 code."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    folder = tmp_path / "gpt-oss-mxfp4"
+    shutil.copytree(gpt_oss_folder, folder)
+    weights = load_file(folder / "model.safetensors")
+    dequantized = {}
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = to_mxfp4(weights.pop(name))
+        weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks, scales
+        dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    save_file(weights, folder / "model.safetensors")
+
+    reference = AutoModelForCausalLM.from_pretrained(gpt_oss_folder, dtype=torch.float32).eval()
+    reference.load_state_dict({**reference.state_dict(), **dequantized})
+    ids = random_ids(60, seed=4)
+    with torch.no_grad():
+        theirs = reference(ids[None]).logits[0]
+    model = load_model(str(folder), dtype="float32", device="cpu")
+    assert rel_err(kvchat_logits(model, ids.tolist(), paged=True), theirs) < 1e-4
+    # and the rounding was real: these are not the folder's own experts
+    assert rel_err(theirs, hf_logits(gpt_oss_folder, ids)) > 1e-3

@@ -76,19 +76,34 @@ class SparseMoE:
 
     @classmethod
     def from_gpt_oss(cls, weights: dict[str, torch.Tensor], config) -> SparseMoE:
-        """gpt-oss's stacked experts: gate/up [E, hidden, 2 I] with gate and up columns
-        interleaved, down [E, I, hidden], each with a bias; `mlp.router` with a bias."""
-        gate_up = weights["mlp.experts.gate_up_proj"]
-        bias = weights["mlp.experts.gate_up_proj_bias"]
+        """gpt-oss's stacked experts, each with a bias, and `mlp.router` with a bias.
+
+        Hugging Face's files: gate/up [E, hidden, 2 I] with gate and up columns
+        interleaved, down [E, I, hidden]. llama.cpp's (`gguf/convert.py`): gate and up
+        apart [E, I, hidden], down [E, hidden, I], as linear layers hold them."""
+        if "mlp.experts.gate_up_proj" in weights:
+            packed = weights["mlp.experts.gate_up_proj"]
+            packed_bias = weights["mlp.experts.gate_up_proj_bias"]
+            gate_up = torch.cat([packed[..., ::2], packed[..., 1::2]], dim=-1).transpose(1, 2)
+            gate_up_bias = torch.cat([packed_bias[:, ::2], packed_bias[:, 1::2]], dim=-1)
+            down = weights["mlp.experts.down_proj"].transpose(1, 2)
+            down_bias = weights["mlp.experts.down_proj_bias"]
+        else:
+            part = "mlp.experts.{}_proj.{}".format
+            gate_up = torch.cat([weights[part("gate", "weight")], weights[part("up", "weight")]], 1)
+            gate_up_bias = torch.cat(
+                [weights[part("gate", "bias")], weights[part("up", "bias")]], 1
+            )
+            down, down_bias = weights[part("down", "weight")], weights[part("down", "bias")]
         return cls(
             weights["mlp.router.weight"],
-            torch.cat([gate_up[..., ::2], gate_up[..., 1::2]], dim=-1).transpose(1, 2).contiguous(),
-            weights["mlp.experts.down_proj"].transpose(1, 2).contiguous(),
+            gate_up.contiguous(),
+            down.contiguous(),
             config.num_experts_per_tok,
             normalize=False,
             router_bias=weights["mlp.router.bias"],
-            gate_up_bias=torch.cat([bias[:, ::2], bias[:, 1::2]], dim=-1).contiguous(),
-            down_bias=weights["mlp.experts.down_proj_bias"],
+            gate_up_bias=gate_up_bias.contiguous(),
+            down_bias=down_bias,
             clamp=(config.swiglu_alpha, config.swiglu_limit),
         )
 

@@ -335,12 +335,14 @@ def _missing_weights(config: ModelConfig, weights: dict) -> list[str]:
             for p in ("gate_proj", "up_proj", "down_proj")
         ),
     )
-    if config.expert_kind == "gpt_oss":  # stacked, with biases
-        experts = (
-            "mlp.router.weight",
-            "mlp.router.bias",
-            *(f"mlp.experts.{p}{b}" for p in ("gate_up_proj", "down_proj") for b in ("", "_bias")),
+    if config.expert_kind == "gpt_oss":  # stacked, with biases (llama.cpp's names: gate, up)
+        packed = not any(name.endswith("mlp.experts.gate_proj.weight") for name in weights)
+        stacked = (
+            (f"{p}{b}" for p in ("gate_up_proj", "down_proj") for b in ("", "_bias"))
+            if packed
+            else (f"{p}_proj.{k}" for p in ("gate", "up", "down") for k in ("weight", "bias"))
         )
+        experts = ("mlp.router.weight", "mlp.router.bias", *(f"mlp.experts.{n}" for n in stacked))
     for i in range(config.num_layers):
         feed_forward = experts if config.layer_is_sparse(i) else dense
         names.extend(f"model.layers.{i}.{n}" for n in (*attention, *feed_forward))

@@ -35,7 +35,7 @@ from kvchat.model.gguf.dequant import dequantize
 from kvchat.model.gguf.file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = (
-    "gemma3", "llama", "mistral3", "phi3", "qwen2", "qwen3", "qwen3moe", "smollm3"
+    "gemma3", "gpt-oss", "llama", "mistral3", "phi3", "qwen2", "qwen3", "qwen3moe", "smollm3"
 )  # fmt: skip
 # the architectures whose q/k rows llama.cpp's converter permutes (`llama_cpp_permute`)
 PERMUTED_ARCHITECTURES = ("llama", "mistral3", "smollm3")
@@ -55,6 +55,7 @@ _HF_ARCH = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "mistral3": ("ministral3", "Ministral3ForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 
 # GGUF tensor name -> Hugging Face name; {i} is the layer index.
@@ -98,7 +99,23 @@ _ARCH_LAYER_NAMES = {
         "ffn_norm.weight": "pre_feedforward_layernorm.weight",
         "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     },
+    # gpt-oss: the experts stay stacked (gate and up apart, as llama.cpp splits them; MXFP4
+    # in its files), each with a bias, the router biased, a sink per head
+    "gpt-oss": {
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "attn_output.bias": "self_attn.o_proj.bias",
+        "attn_sinks.weight": "self_attn.sinks",
+        "ffn_gate_inp.weight": "mlp.router.weight",
+        "ffn_gate_inp.bias": "mlp.router.bias",
+        **{
+            f"ffn_{part}_exps.{kind}": f"mlp.experts.{part}_proj.{kind}"
+            for part in ("gate", "up", "down")
+            for kind in ("weight", "bias")
+        },
+    },
 }
+# llama.cpp's gpt-oss: every other layer windowed, from the first (the file does not say)
+GPT_OSS_SLIDING_PATTERN = 2
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Tensors that describe the model rather than hold weights: read into the config.
 _CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -182,6 +199,8 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, object]:
         config.update(_experts(gguf, arch, int(config["num_hidden_layers"])))  # type: ignore[call-overload]
     if arch == "gemma3":
         config.update(_gemma3(md, arch, config))
+    if arch == "gpt-oss":
+        config.update(_gpt_oss(md, arch, config))
     rope_dims = md.get(f"{arch}.rope.dimension_count")
     if arch == "phi3" and rope_dims is not None and int(rope_dims) != head_dim:  # type: ignore[call-overload]
         config["partial_rotary_factor"] = int(rope_dims) / head_dim  # type: ignore[call-overload]
@@ -194,6 +213,8 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, object]:
             config[hf_key] = int(md[gguf_key])  # type: ignore[call-overload]
 
     rope_scaling = _rope_scaling(gguf, arch, head_dim, float(config["rope_theta"]))  # type: ignore[arg-type]
+    if rope_scaling is not None and arch == "gpt-oss":
+        rope_scaling["truncate"] = False  # gpt-oss's YaRN bounds are not rounded
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
     beta = md.get(f"{arch}.attention.temperature_scale")
@@ -226,6 +247,28 @@ def _gemma3(md: dict[str, object], arch: str, config: dict[str, object]) -> dict
     cap = md.get(f"{arch}.final_logit_softcapping")
     if cap:
         fields["final_logit_softcapping"] = _f32(cap)
+    return fields
+
+
+def _gpt_oss(md: dict[str, object], arch: str, config: dict[str, object]) -> dict[str, object]:
+    """gpt-oss's fields, as llama.cpp runs its files (`GPT_OSS_SLIDING_PATTERN`, YaRN's
+    bounds not rounded, transformers' `truncate: false` for this family)."""
+    layers = int(config["num_hidden_layers"])  # type: ignore[call-overload]
+    window = md.get(f"{arch}.attention.sliding_window")
+    kinds = [
+        "sliding_attention" if window and i % GPT_OSS_SLIDING_PATTERN == 0 else "full_attention"
+        for i in range(layers)
+    ]
+    fields: dict[str, object] = {
+        "num_local_experts": int(_required(md, f"{arch}.expert_count")),  # type: ignore[call-overload]
+        "num_experts_per_tok": int(_required(md, f"{arch}.expert_used_count")),  # type: ignore[call-overload]
+        "intermediate_size": int(
+            md.get(f"{arch}.expert_feed_forward_length", config["intermediate_size"])  # type: ignore[call-overload]
+        ),
+        "sliding_window": int(window) if window else None,  # type: ignore[call-overload]
+        "layer_types": kinds,
+        "attention_bias": True,
+    }
     return fields
 
 
@@ -370,13 +413,15 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_RE.match(gguf_name)
+    arch_names = _ARCH_LAYER_NAMES.get(arch, {})
+    if match and match.group(2) in arch_names:
+        return f"model.layers.{match.group(1)}.{arch_names[match.group(2)]}"
     if match and match.group(2) in _EXPERT_NAMES:  # one per expert: `expert_tensors`
         return (
             f"model.layers.{match.group(1)}.mlp.experts.{{}}.{_EXPERT_NAMES[match.group(2)]}.weight"
         )
-    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
-    if match and match.group(2) in names:
-        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
     raise ModelLoadError(
         f"the GGUF holds a tensor {gguf_name!r} that kvchat's Llama-family model has no place "
         "for; the file is not a plain llama, phi3, qwen2, qwen3, qwen3moe or smollm3 model."

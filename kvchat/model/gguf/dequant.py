@@ -204,7 +204,25 @@ def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
     return (dl * q).reshape(n, QK_K)
 
 
+# E2M1's sixteen values, doubled (ggml's kvalues_mxfp4): the scale below is halved to match
+_MXFP4_VALUES = torch.tensor(
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32
+)
+
+
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's experts: a block of 32 is one E8M0 exponent byte (a power of two, halved
+    for the doubled values) and 16 bytes of 4-bit E2M1 codes, low nibbles first."""
+    n = blocks.shape[0]
+    exponent = blocks[:, :1].to(torch.int32)  # [n, 1]
+    # ggml_e8m0_to_fp32_half: 2 ** (e - 128), exactly, subnormals included
+    scale = torch.ldexp(torch.ones(n, 1), exponent - 128)
+    codes = _nibbles(blocks[:, 1:], 16).reshape(n, QK).long()
+    return _MXFP4_VALUES[codes] * scale
+
+
 _BLOCK_DECODERS: dict[GGMLType, Callable[[torch.Tensor], torch.Tensor]] = {
+    GGMLType.MXFP4: _mxfp4,
     GGMLType.Q8_0: _q8_0,
     GGMLType.Q4_0: _q4_0,
     GGMLType.Q4_1: _q4_1,
