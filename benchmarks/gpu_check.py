@@ -369,7 +369,8 @@ def check_host_tier(setup: Setup, folder: Path):
                 greedy(engine, [doc], 4)
             reply = greedy(engine, [follow_up], 16)[0]
             engine.validate_cache()
-            return reply, engine.stats().cached_tokens.host, engine.stats().evictions
+            stats = engine.stats().cache
+            return reply, stats.cached_tokens.host, stats.evictions
 
     restored, from_host, evictions = run(docs)
     computed, _, _ = run([])  # the follow-up alone, computed from its tokens

@@ -177,13 +177,14 @@ def run(args: argparse.Namespace) -> int:
         engine.close()
     wall = time.perf_counter() - loaded
 
-    cached = stats.cached_tokens.total
-    if stats.prompt_tokens != cached + stats.prefilled_tokens:
+    counters = stats.cache
+    cached = counters.cached_tokens.total
+    if counters.prompt_tokens != cached + counters.prefilled_tokens:
         soak.failures.append(
-            f"engine: prompt {stats.prompt_tokens} != cached {cached} + prefilled "
-            f"{stats.prefilled_tokens}"
+            f"engine: prompt {counters.prompt_tokens} != cached {cached} + prefilled "
+            f"{counters.prefilled_tokens}"
         )
-    evictions = stats.evictions
+    evictions = counters.evictions
     evicted = evictions.device_to_host + evictions.host_dropped + evictions.device_dropped
     if not soak.failures and soak.finished < args.turns:
         soak.failures.append(f"only {soak.finished} of {args.turns} turns finished")
@@ -215,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
             "device_dropped": evictions.device_dropped,
         },
         "preemptions": stats.preemptions,
-        "recomputed_tokens": stats.recomputed_tokens,
+        "recomputed_tokens": counters.recomputed_tokens,
         "hit_rate": stats.hit_rate,
         "rss_mib": {str(k): round(v / 2**20, 1) for k, v in sorted(soak.rss.items())},
         "rss_growth_from_turn": min(100, args.turns) if 100 in soak.rss else min(soak.rss),

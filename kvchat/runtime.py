@@ -407,10 +407,10 @@ def describe_cache(engine) -> str:
 
     s = engine.stats()
     ps = s.page_size
-    dev = s.pages["device"].capacity
-    host = s.pages["host"].capacity
+    dev = s.pages.device.capacity
+    host = s.pages.host.capacity
     per_page = engine.store.nbytes() // max(dev, 1)
-    disk = s.pages.get("disk")
+    disk = s.pages.disk
     disk_text = (
         f"disk tier {format_size(s.disk_bytes.capacity)} at {engine.disk.root} "
         f"({disk.cached} pages of this model found)"

@@ -94,13 +94,13 @@ def test_evicted_pages_come_back_from_host_exactly_and_counters_add_up(tiny):
     h.table.release(2)
     assert h.table.residency(a).host > 0
     r, logits = h.prefill(3, [*a, 11, 12, 13])
-    assert r.cached_host > 0
+    assert r.cached.host > 0
     assert torch.equal(h.store.k_all[:, list(h.table.pages(3))[:10]], before)  # bit-exact
     expected = cold_logits(tiny, [*a, 11, 12, 13])
     assert float((logits - expected).norm() / expected.norm()) < 1e-5
     s = h.table.stats()
-    assert s.device_to_host > 0
-    assert s.prompt_tokens == s.cached_device + s.cached_host + s.cached_disk + s.prefilled_tokens
+    assert s.counters.evictions.device_to_host > 0
+    assert s.counters.prompt_tokens == s.counters.cached_tokens.total + s.counters.prefilled_tokens
 
 
 def test_tail_first_eviction_keeps_the_longest_prefix(tiny):
@@ -114,7 +114,7 @@ def test_tail_first_eviction_keeps_the_longest_prefix(tiny):
     resident = h.table.residency(a)
     assert 0 < resident.device < len(a)  # a prefix survives, not scattered pages
     r, _ = h.prefill(3, a)
-    assert r.cached_device == resident.device
+    assert r.cached.device == resident.device
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ def test_pages_read_back_after_a_restart_hold_the_same_bytes(tmp_path, kv_format
 
     table2, store2, disk2 = table_with_disk(tmp_path, kv_format)  # the restart
     res = table2.reserve(7, [*tokens, 99], count_as="prompt")
-    assert res is not None and res.cached_disk == 8 and res.cached_device == 0
+    assert res is not None and res.cached.disk == 8 and res.cached.device == 0
     for p, want in zip(table2.pages(7)[:2], written, strict=True):
         for part, w in zip(store2.parts, want, strict=True):
             assert torch.equal(part[:, p].view(torch.uint8), w.view(torch.uint8))
@@ -94,7 +94,7 @@ def test_a_restarted_engine_reads_the_history_from_disk(tiny, tmp_path) -> None:
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
 
     with small_engine(tiny, **disk_on) as second:
-        assert second.stats().pages["disk"].cached == 2  # indexed at start
+        assert second.stats().pages.disk.cached == 2  # indexed at start
         done = run(second, [*prompt, 11, 12])
         assert done.cached_tokens.disk == 32 and done.cached_tokens.device == 0
         after = page_bytes_by_hash(second, hashes)
@@ -118,7 +118,7 @@ def test_without_the_disk_tier_a_restart_recomputes(tiny, tmp_path) -> None:
     with small_engine(tiny) as off:  # disk tier off: nothing carries over
         done = run(off, [*prompt, 1])
         assert done.cached_tokens.disk == 0 and done.prefilled_tokens == 41
-        assert off.stats().pages["disk"].capacity == 0
+        assert off.stats().pages.disk.capacity == 0
 
 
 def test_switching_to_a_session_after_a_restart_prefetches_its_disk_pages(tiny, tmp_path) -> None:

@@ -111,8 +111,8 @@ def test_cancel_mid_prefill_and_mid_decode_releases_pages(tiny):
         engine.close()
         engine.validate_cache()
         stats = engine.table.stats()
-        assert stats.device.active == 0
-        assert stats.device.cached > 0  # the computed pages stayed as prompt cache
+        assert stats.pages.device.active == 0
+        assert stats.pages.device.cached > 0  # the computed pages stayed as prompt cache
 
 
 def test_preemption_when_active_requests_exhaust_the_pool_keeps_outputs_correct(tiny):
@@ -168,7 +168,7 @@ def test_submit_and_cancel_from_many_threads_is_safe(tiny):
         engine.close()
         engine.validate_cache()
     assert len(finished) == 24
-    assert engine.table.stats().device.active == 0
+    assert engine.table.stats().pages.device.active == 0
 
 
 def test_same_seed_gives_same_sample_whatever_else_is_in_the_batch(tiny):

@@ -49,13 +49,17 @@ def test_a_draft_on_an_idle_engine_is_computed_and_its_turn_reuses_it(tiny) -> N
         assert progress.wait_done().ready_tokens == 70
         engine.validate_cache()
         stats = engine.stats()
-        assert (stats.draft_tokens, stats.prompt_tokens, stats.prefilled_tokens) == (70, 0, 0)
+        assert (
+            stats.cache.draft_tokens,
+            stats.cache.prompt_tokens,
+            stats.cache.prefilled_tokens,
+        ) == (70, 0, 0)
         c = Collector()
         engine.submit(GenerationRequest(prompt, max_tokens=2, ignore_eos=True), c)
         done = c.wait()
         assert done.cached_tokens.device == 70 and done.prefilled_tokens == 30
         assert done.draft_tokens == 70
-        assert engine.stats().draft_reused_tokens == 70
+        assert engine.stats().cache.draft_reused_tokens == 70
         engine.validate_cache()
 
 
@@ -67,7 +71,7 @@ def test_a_draft_already_in_the_cache_computes_nothing(tiny) -> None:
         progress = Progress()
         engine.draft(prompt[:40], progress)
         assert progress.wait_done().ready_tokens == 40
-        assert engine.stats().draft_tokens == 0
+        assert engine.stats().cache.draft_tokens == 0
 
 
 def test_a_replaced_or_cancelled_draft_stops_and_keeps_what_it_computed(tiny) -> None:

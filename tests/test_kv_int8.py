@@ -99,7 +99,7 @@ def test_int8_device_tier_holds_at_least_1_85x_the_tokens(tmp_path):
                 page_size=16, device_cache_bytes=budget, host_cache_bytes=0, kv_format=fmt
             )
             with Engine(model, config) as e:
-                capacity[fmt, dtype] = e.stats().pages["device"].capacity
+                capacity[fmt, dtype] = e.stats().pages.device.capacity
                 assert e.store.nbytes() <= budget
     for dtype in ("bfloat16", "float32"):
         assert capacity["int8", dtype] >= 1.85 * capacity["native", dtype]

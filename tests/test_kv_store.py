@@ -120,7 +120,7 @@ def test_tensors_follow_the_page_table_through_eviction_and_restore() -> None:
     turn(2, list(range(200, 215)))  # pushes a's tail to the host (and drops its partial page)
     assert table.residency(a).host > 0
     turn(3, [*a, 1, 2])
-    assert table.stats().cached_host > 0
+    assert table.stats().counters.cached_tokens.host > 0
 
 
 @pytest.mark.parametrize("kv_format", ["native", "int8"])

@@ -18,7 +18,7 @@ from tests.page_table_helpers import PS, SALT, FakeMover, assert_data, compute, 
 
 def counters_add_up(table: PageTable) -> None:
     s = table.stats()
-    assert s.prompt_tokens == s.cached_device + s.cached_host + s.cached_disk + s.prefilled_tokens
+    assert s.counters.prompt_tokens == s.counters.cached_tokens.total + s.counters.prefilled_tokens
 
 
 def test_two_requests_sharing_a_prefix_hold_its_pages_once() -> None:
@@ -30,7 +30,7 @@ def test_two_requests_sharing_a_prefix_hold_its_pages_once() -> None:
     compute(table, mover, 1, a)
     res = table.reserve(2, b, count_as="prompt")
     assert res is not None
-    assert res.cached_device == 12 and res.to_compute_from == 12
+    assert res.cached.device == 12 and res.to_compute_from == 12
     assert table.pages(1)[:3] == table.pages(2)[:3]
     assert [table.page_info(p).refcount for p in table.pages(2)[:3]] == [2, 2, 2]
     assert set(table.pages(1)[3:]).isdisjoint(table.pages(2)[3:])
@@ -48,11 +48,11 @@ def test_switching_back_reuses_the_partial_tail_of_the_previous_turn() -> None:
     run_turn(table, mover, 2, other)  # another conversation in between
     turn2 = [*turn1, 20, 21, 22]
     res = run_turn(table, mover, 3, turn2)
-    assert res.cached_device == len(turn1)  # everything of the previous turn, tail included
+    assert res.cached.device == len(turn1)  # everything of the previous turn, tail included
     assert res.reused_tail == 2
     assert res.to_compute_from == len(turn1)
     s = table.stats()
-    assert s.prefilled_tokens == len(turn1) + len(other) + 3
+    assert s.counters.prefilled_tokens == len(turn1) + len(other) + 3
     counters_add_up(table)
 
 
@@ -73,7 +73,7 @@ def test_page_aligned_prompt_on_host_restores_its_last_page_as_a_tail() -> None:
     run_turn(table, mover, 2, [90, 91, 92, 93, 94, 95, 96, 97])  # pushes the first to host
     assert table.residency(tokens).host == 8
     res = run_turn(table, mover, 3, tokens)
-    assert (res.cached_host, res.cached_device, res.to_compute_from) == (7, 0, 7)
+    assert (res.cached.host, res.cached.device, res.to_compute_from) == (7, 0, 7)
 
 
 def test_evicted_pages_come_back_from_host_and_the_longest_prefix_survives() -> None:
@@ -85,14 +85,14 @@ def test_evicted_pages_come_back_from_host_and_the_longest_prefix_survives() -> 
     # tail first: a's deepest pages went to the host, its first three stayed on the device
     assert table.residency(a).device == 12 and table.residency(a).host == 8
     s = table.stats()
-    assert s.device_to_host == 2 and s.device_dropped == 0
+    assert s.counters.evictions.device_to_host == 2 and s.counters.evictions.device_dropped == 0
     res = run_turn(table, mover, 3, [*a, 1])
-    assert (res.cached_device, res.cached_host) == (12, 8)
+    assert (res.cached.device, res.cached.host) == (12, 8)
     assert mover.count("h2d") == 2
     counters_add_up(table)
     s = table.stats()
-    assert s.prompt_tokens == 20 + 8 + 21
-    assert s.cached_host == 8 and s.cached_device == 12
+    assert s.counters.prompt_tokens == 20 + 8 + 21
+    assert s.counters.cached_tokens.host == 8 and s.counters.cached_tokens.device == 12
 
 
 def test_without_host_tier_evicted_pages_are_dropped_tail_first() -> None:
@@ -101,9 +101,9 @@ def test_without_host_tier_evicted_pages_are_dropped_tail_first() -> None:
     run_turn(table, mover, 1, a)
     run_turn(table, mover, 2, list(range(200, 208)))
     assert table.residency(a) == Residency(device=12, host=0, nowhere=8)
-    assert table.stats().device_dropped == 2
+    assert table.stats().counters.evictions.device_dropped == 2
     res = run_turn(table, mover, 3, [*a, 1])
-    assert res.cached_device == 12 and res.cached_host == 0
+    assert res.cached.device == 12 and res.cached.host == 0
 
 
 def test_orphans_are_evicted_before_an_older_intact_tree() -> None:
@@ -120,7 +120,7 @@ def test_orphans_are_evicted_before_an_older_intact_tree() -> None:
     assert table.residency(stale).device == 0
     run_turn(table, mover, 3, list(range(300, 312)))  # needs 4 pages: 2 free + 2 victims
     assert table.residency(old).device == 8  # the older intact tree is untouched
-    assert table.stats().device_dropped == 2
+    assert table.stats().counters.evictions.device_dropped == 2
 
 
 def test_trees_are_evicted_least_recently_used_root_first_tail_first() -> None:
@@ -131,7 +131,7 @@ def test_trees_are_evicted_least_recently_used_root_first_tail_first() -> None:
     for i, t in enumerate((a, b, c)):
         run_turn(table, mover, i, t)
     run_turn(table, mover, 10, [*a, 1])  # a is used again: b is now the oldest tree
-    assert table.stats().device.free == 0
+    assert table.stats().pages.device.free == 0
     run_turn(table, mover, 11, list(range(400, 408)))  # needs 3 victims
     assert table.residency(b).device == 0  # the LRU tree goes whole ...
     assert table.residency(c).device == 4  # ... then the next one loses its tail only
@@ -204,7 +204,7 @@ def test_prefetch_restores_host_pages_so_the_next_turn_hits_the_device() -> None
     assert restored == 2
     assert table.residency(a).device == 20
     res = run_turn(table, mover, 3, [*a, 1])
-    assert res.cached_device == 20 and res.cached_host == 0
+    assert res.cached.device == 20 and res.cached.host == 0
 
 
 def test_reserve_that_cannot_fit_returns_none_and_changes_nothing() -> None:
@@ -261,7 +261,9 @@ def test_concurrent_identical_prefixes_keep_one_indexed_copy() -> None:
     table.release(1)
     table.release(2)
     table.validate()
-    assert table.stats().device.cached == 2  # one full page + one partial tail; the copy freed
+    assert (
+        table.stats().pages.device.cached == 2
+    )  # one full page + one partial tail; the copy freed
 
 
 def test_recompute_counts_apart_from_prompt_tokens() -> None:
@@ -273,8 +275,8 @@ def test_recompute_counts_apart_from_prompt_tokens() -> None:
     res = table.reserve(1, [*t, 7, 8], count_as="recompute")
     assert res is not None and res.to_compute_from == 11
     s = table.stats()
-    assert s.prompt_tokens == 10 and s.prefilled_tokens == 10
-    assert s.recomputed_tokens == 1
+    assert s.counters.prompt_tokens == 10 and s.counters.prefilled_tokens == 10
+    assert s.counters.recomputed_tokens == 1
     counters_add_up(table)
 
 
@@ -428,7 +430,7 @@ def test_a_live_duplicate_stays_matchable_after_the_indexed_copy_is_evicted() ->
     table.validate()
     table.release(3)
     res = table.reserve(4, [*t[:4], 7], count_as="prompt")
-    assert res is not None and res.cached_device == 4
+    assert res is not None and res.cached.device == 4
     assert res.pages[0] == table.pages(2)[0]  # shares sequence 2's copy
     assert table.page_info(res.pages[0]).refcount == 2
     assert_data(table, mover, 4, [*t[:4], 7])

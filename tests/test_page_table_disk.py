@@ -43,12 +43,12 @@ def test_a_finished_turn_saves_its_full_pages_and_a_restart_reads_them_back() ->
     table2, mover2 = make(8, 4, disk)  # a restart: nothing in memory carries over
     assert table2.residency(history) == Residency(device=0, host=0, nowhere=2, disk=8)
     res = turn(table2, mover2, 1, [*history, 7])
-    assert (res.cached_disk, res.cached_device, res.cached_host) == (8, 0, 0)
+    assert (res.cached.disk, res.cached.device, res.cached.host) == (8, 0, 0)
     assert res.to_compute_from == 8 and res.cached_tokens == 8
     s = table2.stats()
-    assert s.cached_disk == 8 and s.prefilled_tokens == 3
+    assert s.counters.cached_tokens.disk == 8 and s.counters.prefilled_tokens == 3
     s = table2.stats()
-    assert s.prompt_tokens == s.cached_device + s.cached_host + s.cached_disk + s.prefilled_tokens
+    assert s.counters.prompt_tokens == s.counters.cached_tokens.total + s.counters.prefilled_tokens
 
 
 def test_pages_already_on_disk_are_not_written_again_and_the_root_is_touched() -> None:
@@ -73,10 +73,13 @@ def test_a_page_leaving_the_host_tier_goes_to_disk_first() -> None:
     disk.refuse = False
     turn(table, mover, 3, list(range(300, 308)))  # host full: a's pages leave it
     s = table.stats()
-    assert s.host_to_disk >= 1 and mover.count("snap-h") == s.host_to_disk
-    assert s.host_dropped == 0  # nothing lost entirely
+    assert (
+        s.counters.evictions.host_to_disk >= 1
+        and mover.count("snap-h") == s.counters.evictions.host_to_disk
+    )
+    assert s.counters.evictions.host_dropped == 0  # nothing lost entirely
     res = turn(table, mover, 4, [*a, 1])
-    assert res.cached_disk + res.cached_host + res.cached_device == 8
+    assert res.cached.disk + res.cached.host + res.cached.device == 8
 
 
 def test_a_page_leaving_the_host_tier_with_no_disk_room_is_counted_lost() -> None:
@@ -86,7 +89,7 @@ def test_a_page_leaving_the_host_tier_with_no_disk_room_is_counted_lost() -> Non
     for i in range(3):
         turn(table, mover, i, list(range(100 * i, 100 * i + 8)))
     s = table.stats()
-    assert s.host_to_disk == 0 and s.host_dropped >= 1
+    assert s.counters.evictions.host_to_disk == 0 and s.counters.evictions.host_dropped >= 1
 
 
 def test_without_a_host_tier_an_evicted_full_page_is_kept_on_disk() -> None:
@@ -98,7 +101,7 @@ def test_without_a_host_tier_an_evicted_full_page_is_kept_on_disk() -> None:
     disk.refuse = False
     turn(table, mover, 2, list(range(200, 208)))
     s = table.stats()
-    assert s.device_to_disk == 2 and s.device_dropped == 0
+    assert s.counters.device_to_disk == 2 and s.counters.evictions.device_dropped == 0
     assert table.residency(a).disk == 8
 
 
@@ -111,9 +114,9 @@ def test_a_page_that_fails_its_checks_is_recomputed_not_served() -> None:
     broken = list(disk.pages)[1]
     disk.broken.add(broken)
     res = turn(table2, mover2, 1, [*history, 1])
-    assert res.cached_disk == 4  # the first page; the broken second page and after: computed
+    assert res.cached.disk == 4  # the first page; the broken second page and after: computed
     assert broken in disk.pages  # computed again, then saved again at release
-    assert table2.stats().prefilled_tokens == 9
+    assert table2.stats().counters.prefilled_tokens == 9
 
 
 def test_switching_to_a_session_prefetches_its_disk_pages() -> None:
@@ -126,7 +129,7 @@ def test_switching_to_a_session_prefetches_its_disk_pages() -> None:
     assert table2.residency(history).device == 12
     table2.validate()
     res = turn(table2, mover2, 1, [*history, 1])
-    assert res.cached_device == 12 and res.cached_disk == 0
+    assert res.cached.device == 12 and res.cached.disk == 0
 
 
 def test_validate_reports_the_disk_tier_problems() -> None:

@@ -11,6 +11,8 @@ moves, disk reads, restarts and disk pages that fail their checks.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -22,16 +24,16 @@ from tests.disk_helpers import DiskMover, FakeDisk
 from tests.page_table_helpers import PS, SALT, assert_data
 
 MONOTONIC = (
-    "device_to_host",
-    "host_dropped",
-    "device_dropped",
+    "evictions.device_to_host",
+    "evictions.host_dropped",
+    "evictions.device_dropped",
     "prompt_tokens",
-    "cached_device",
-    "cached_host",
+    "cached_tokens.device",
+    "cached_tokens.host",
     "prefilled_tokens",
     "recomputed_tokens",
-    "cached_disk",
-    "host_to_disk",
+    "cached_tokens.disk",
+    "evictions.host_to_disk",
     "device_to_disk",
 )
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=14)
@@ -94,8 +96,8 @@ class PageTableMachine(RuleBasedStateMachine):
             assert self.table.stats() == before
             return None
         n = len(toks)
-        assert res.to_compute_from == res.cached_device + res.cached_host + res.cached_disk <= n - 1
-        assert res.reused_tail <= res.cached_device
+        assert res.to_compute_from == res.cached.device + res.cached.host + res.cached.disk <= n - 1
+        assert res.reused_tail <= res.cached.device
         assert len(res.pages) * PS >= n + 1 and len(set(res.pages)) == len(res.pages)
         self.tokens[sid] = list(toks)
         assert_data(self.table, self.mover, sid, toks)  # the cached part is already right
@@ -234,11 +236,16 @@ class PageTableMachine(RuleBasedStateMachine):
                 assert tuple(s[-1] for s in parts) == tokens
                 assert chain_hash(parts[-1][:-PS]) == parent and chain_hash(parts[-1]) == h
         s = t.stats()
-        assert s.prompt_tokens == s.cached_tokens + s.prefilled_tokens
-        counters = [getattr(s, f) for f in MONOTONIC]
+        assert (
+            s.counters.prompt_tokens == s.counters.cached_tokens.total + s.counters.prefilled_tokens
+        )
+        counters = [attrgetter(f)(s.counters) for f in MONOTONIC]
         assert all(a >= b for a, b in zip(counters, self.counters, strict=True)), "counter fell"
         self.counters = counters
-        assert s.device.active + s.device.cached + s.device.free == s.device.capacity
+        assert (
+            s.pages.device.active + s.pages.device.cached + s.pages.device.free
+            == s.pages.device.capacity
+        )
 
 
 PageTableMachine.TestCase.settings = settings(

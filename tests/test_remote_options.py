@@ -8,7 +8,7 @@ import pytest
 
 from kvchat.chat.settings import Settings, parse_settings
 from kvchat.cli import main
-from kvchat.engine.events import CachedTokens
+from kvchat.engine.api import CacheCounters, CachedTokens
 from kvchat.remote.engine import RemoteStats, _cached_tokens
 from kvchat.remote.options import remote_options
 from kvchat.remote.server import RemoteError, server_root
@@ -102,14 +102,13 @@ def test_cached_tokens_are_null_unless_the_server_reports_them() -> None:
 
 def test_remote_stats_json_keeps_every_key_with_nulls_and_names_the_engine() -> None:
     engine = {"kind": "vllm", "url": "http://h:1", "model": "m"}
-    stats = RemoteStats(prompt_tokens=10, cached_tokens=CachedTokens(4, 0, 0), engine=engine)
+    counters = CacheCounters(prompt_tokens=10, cached_tokens=CachedTokens(4, 0, 0))
+    stats = RemoteStats(cache=counters, engine=engine)
     out = stats.to_json()
     assert out["cached_tokens"] == {"device": None, "host": None, "disk": None}
     assert out["hit_rate"] is None and out["recomputed_tokens"] is None
     assert out["engine"] == engine
-    reported = RemoteStats(
-        prompt_tokens=10, cached_tokens=CachedTokens(4, 0, 0), engine=engine, reports_cached=True
-    ).to_json()
+    reported = RemoteStats(cache=counters, engine=engine, reports_cached=True).to_json()
     assert reported["cached_tokens"] == {"device": 4, "host": None, "disk": None}
     assert reported["hit_rate"] == pytest.approx(0.4)
 

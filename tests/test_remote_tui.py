@@ -39,4 +39,4 @@ def test_the_sidebar_shows_the_last_hit_rate_where_no_residency_can_be_drawn() -
     unreported = row_content(1, _view(None), Residency(0, 0, 0)).plain
     assert "last hit" not in unreported and "····" in unreported
     # where residency is known, the bar as before
-    assert "last hit" not in row_content(1, _view(492), Residency(400, 0, 220)).plain
+    assert "last hit" not in row_content(1, _view(492), Residency(400, 0, nowhere=220)).plain

@@ -5,7 +5,8 @@ from __future__ import annotations
 from textual.app import App, ComposeResult
 
 from kvchat.chat.engine_port import Residency
-from kvchat.engine.stats import DiskBytes, EngineStats, Evictions, TierPages
+from kvchat.engine.api import CacheCounters, EngineStats, Evictions, PerTier, TierPages
+from kvchat.engine.stats import DiskBytes
 from kvchat.tui.meters import Meters
 from kvchat.tui.sidebar import bar_cells, residency_bar
 
@@ -17,14 +18,12 @@ class MetersApp(App):
 
 def stats(disk: TierPages, used: int, capacity: int) -> EngineStats:
     return EngineStats(
-        pages={
-            "device": TierPages(10, 2, 3, 5),
-            "host": TierPages(20, 0, 20, 0),
-            "disk": disk,
-        },
-        evictions=Evictions(
-            device_to_host=7, host_dropped=1, device_dropped=2, host_to_disk=5, disk_dropped=3
+        cache=CacheCounters(
+            evictions=Evictions(
+                device_to_host=7, host_dropped=1, device_dropped=2, host_to_disk=5, disk_dropped=3
+            )
         ),
+        pages=PerTier(TierPages(10, 2, 3, 5), TierPages(20, 0, 20, 0), disk),
         disk_bytes=DiskBytes(capacity, used),
         time=1.0,
     )

@@ -256,8 +256,8 @@ async def test_sidebar_row_repaints_only_when_what_it_shows_changes():
 
         row.update = spy  # type: ignore[method-assign]
         row.set_view(_view(context_tokens=101))  # ctx 2% either way
-        row.set_residency(Residency(100, 0, 1))
-        row.set_residency(Residency(101, 0, 1))  # the same bar cells
+        row.set_residency(Residency(100, 0, nowhere=1))
+        row.set_residency(Residency(101, 0, nowhere=1))  # the same bar cells
         assert len(updates) == 1  # the residency bar appeared; nothing else showed a change
         row.set_view(_view(state="idle"))
         assert len(updates) == 2

@@ -410,7 +410,7 @@ class SessionService:
             ids = tuple(session.ids)
             stale = session.ids_stale
         if stale or not ids:
-            return Residency(0, 0, len(ids))
+            return Residency(nowhere=len(ids))
         return self._engine.residency(ids)
 
     def export_markdown(self, session_id: str) -> str:

@@ -18,11 +18,21 @@ from kvchat.engine.events import (
     RequestStarted,
     TokenGenerated,
 )
+from kvchat.engine.per_tier import TIERS, PerTier
 from kvchat.engine.request import FinishReason, GenerationRequest, RequestState, SamplingParams
-from kvchat.engine.stats import EngineStats, Evictions, Residency, TierPages, hit_rate
+from kvchat.engine.stats import (
+    CacheCounters,
+    EngineStats,
+    Evictions,
+    Residency,
+    TierPages,
+    hit_rate,
+)
 from kvchat.engine.token_ids import common_prefix
 
 __all__ = [
+    "TIERS",
+    "CacheCounters",
     "CachedTokens",
     "DraftProgress",
     "EngineEvent",
@@ -30,6 +40,7 @@ __all__ = [
     "Evictions",
     "FinishReason",
     "GenerationRequest",
+    "PerTier",
     "PrefillProgress",
     "RequestFinished",
     "RequestStarted",

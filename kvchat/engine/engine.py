@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,7 +35,6 @@ from kvchat.engine.batch_builder import build_batch
 from kvchat.engine.config import EngineConfig
 from kvchat.engine.drafts import Draft, DraftQueue, DraftRun
 from kvchat.engine.events import (
-    CachedTokens,
     DraftProgress,
     EngineEvent,
     PrefillProgress,
@@ -50,7 +49,7 @@ from kvchat.engine.request import FinishReason, GenerationRequest, RequestState
 from kvchat.engine.sampling import sample_next
 from kvchat.engine.scheduler import Scheduler, StepPlan
 from kvchat.engine.sequence import Sequence
-from kvchat.engine.stats import DiskBytes, EngineStats, Evictions, Residency, TierPages
+from kvchat.engine.stats import DiskBytes, EngineStats, Residency, TierPages
 from kvchat.engine.step_pacer import StepKind
 from kvchat.engine.text_stream import token_text
 from kvchat.engine.tiers.disk_tier import DiskTier
@@ -473,11 +472,7 @@ class Engine:
     def _on_admitted(self, seq: Sequence, reservation) -> None:
         if not seq.admitted:
             seq.admitted = True
-            seq.cached = CachedTokens(
-                device=reservation.cached_device,
-                host=reservation.cached_host,
-                disk=reservation.cached_disk,
-            )
+            seq.cached = reservation.cached
             seq.prefilled_tokens = len(seq.tokens) - reservation.cached_tokens
             seq.draft_tokens = reservation.cached_draft
         else:
@@ -600,38 +595,26 @@ class Engine:
         decode_rate = self._rates.rate(now, DECODE_TOKENS) or 0.0
         prefill_rate = self._rates.rate(now, PREFILL_TOKENS) or 0.0
         t = self.table.stats()
-        pages = {"device": t.device, "host": t.host, "disk": TierPages()}  # disk: off
-        disk_bytes, disk_dropped, notice = DiskBytes(), 0, None
+        pages, counters = t.pages, t.counters  # the disk tier off: its pages stay empty
+        disk_bytes, notice = DiskBytes(), None
         if self.disk is not None:
             d = self.disk.stats()
-            pages["disk"] = TierPages(
-                d.capacity_pages, 0, d.pages, max(0, d.capacity_pages - d.pages)
-            )
-            disk_bytes, disk_dropped, notice = (
-                DiskBytes(d.capacity_bytes, d.used_bytes),
-                d.dropped,
-                d.notice,
-            )
+            free = max(0, d.capacity_pages - d.pages)
+            pages = replace(pages, disk=TierPages(d.capacity_pages, 0, d.pages, free))
+            counters = counters.evicted(disk_dropped=d.dropped)
+            disk_bytes, notice = DiskBytes(d.capacity_bytes, d.used_bytes), d.notice
         states: dict[str, int] = {s.value: 0 for s in RequestState if s != RequestState.FINISHED}
         for seq in self._seqs.values():
             if seq.state != RequestState.FINISHED:
                 states[seq.state.value] += 1
         self._stats = EngineStats(
-            prompt_tokens=t.prompt_tokens,
-            cached_tokens=CachedTokens(t.cached_device, t.cached_host, t.cached_disk),
-            prefilled_tokens=t.prefilled_tokens,
-            recomputed_tokens=t.recomputed_tokens,
+            cache=counters,
             generated_tokens=self._generated,
             pages=pages,
-            evictions=Evictions(
-                t.device_to_host, t.host_dropped, t.device_dropped, t.host_to_disk, disk_dropped
-            ),
             disk_bytes=disk_bytes,
             disk_notice=notice,
             requests=states,
             preemptions=self.scheduler.preemptions,
-            draft_tokens=t.draft_tokens,
-            draft_reused_tokens=t.draft_reused_tokens,
             drafts=len(self.drafts),
             decode_tok_s=decode_rate,
             prefill_tok_s=prefill_rate,

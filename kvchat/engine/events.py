@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvchat.engine.per_tier import PerTier
 from kvchat.engine.request import FinishReason
 
 
 @dataclass(frozen=True)
-class CachedTokens:
+class CachedTokens(PerTier[int | None]):
     """Prompt tokens served without compute, by the tier they came from.
 
     None: the backend does not report that tier (a remote server reports one count).

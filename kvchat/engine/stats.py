@@ -1,20 +1,29 @@
 """The engine's immutable stats snapshot (docs/kv-cache.md, "Metric definitions").
 
 One meaning everywhere: the UI meters, the headless `stats` event and the bench
-all read these fields. Counters only grow; rates come from the difference of two
-snapshots (`decode_tok_s`/`prefill_tok_s` here are already such a windowed rate).
+all read these fields. The cache's counters are the page table's own frozen set
+(`CacheCounters`), embedded as they are; figures per tier are `PerTier` values.
+Counters only grow; rates come from the difference of two snapshots
+(`decode_tok_s`/`prefill_tok_s` here are already such a windowed rate).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from kvchat.engine.events import CachedTokens
+from kvchat.engine.cache.cache_counters import CacheCounters, Evictions, hit_rate
+from kvchat.engine.per_tier import PerTier
 
-
-def hit_rate(cached_tokens: int, prompt_tokens: int) -> float:
-    """The share of prompt tokens served from a cache tier: cached / prompt (0.0 before any)."""
-    return cached_tokens / prompt_tokens if prompt_tokens else 0.0
+__all__ = [
+    "CacheCounters",
+    "DiskBytes",
+    "EngineStats",
+    "Evictions",
+    "Residency",
+    "TierPages",
+    "hit_rate",
+    "no_pages",
+]
 
 
 @dataclass(frozen=True)
@@ -27,27 +36,23 @@ class TierPages:
     free: int = 0  # holding nothing
 
 
+def no_pages() -> PerTier[TierPages]:
+    """Pages of an engine whose tiers are all off (or not reported)."""
+    return PerTier(TierPages(), TierPages(), TierPages())
+
+
 @dataclass(frozen=True)
-class Residency:
+class Residency(PerTier[int]):
     """Where a token history's K/V is: on the device, only on the host, only on disk, nowhere."""
 
     device: int = 0
     host: int = 0
-    nowhere: int = 0
     disk: int = 0
+    nowhere: int = 0
 
     @property
     def total(self) -> int:
         return self.device + self.host + self.disk + self.nowhere
-
-
-@dataclass(frozen=True)
-class Evictions:
-    device_to_host: int = 0
-    host_dropped: int = 0  # pages lost entirely when they left the host tier
-    device_dropped: int = 0
-    host_to_disk: int = 0  # pages that left the host tier with a copy on disk
-    disk_dropped: int = 0  # page files removed to make room on disk
 
 
 @dataclass(frozen=True)
@@ -58,19 +63,13 @@ class DiskBytes:
 
 @dataclass(frozen=True)
 class EngineStats:
-    prompt_tokens: int = 0
-    cached_tokens: CachedTokens = field(default_factory=CachedTokens)
-    prefilled_tokens: int = 0
-    recomputed_tokens: int = 0
+    cache: CacheCounters = field(default_factory=CacheCounters)
     generated_tokens: int = 0
-    pages: dict[str, TierPages] = field(default_factory=dict)  # "device", "host", "disk"
-    evictions: Evictions = field(default_factory=Evictions)
+    pages: PerTier[TierPages] = field(default_factory=no_pages)
     disk_bytes: DiskBytes = field(default_factory=DiskBytes)
     disk_notice: str | None = None  # why the disk tier stopped writing, once it has
     requests: dict[str, int] = field(default_factory=dict)  # RequestState value -> count
     preemptions: int = 0
-    draft_tokens: int = 0  # computed by drafts (type-ahead); never in prompt or prefilled tokens
-    draft_reused_tokens: int = 0  # prompt tokens served from pages drafts computed (in cached)
     drafts: int = 0  # drafts waiting to be computed
     decode_tok_s: float = 0.0  # over the last few seconds
     prefill_tok_s: float = 0.0
@@ -80,10 +79,29 @@ class EngineStats:
     @property
     def hit_rate(self) -> float:
         """sum(cached_tokens) / prompt_tokens, cumulative; 0 before any prompt."""
-        return hit_rate(self.cached_tokens.total, self.prompt_tokens)
+        return self.cache.hit_rate
 
     def to_json(self) -> dict[str, object]:
         """The headless `stats` event body (docs/architecture.md): these names, nested objects."""
-        out = asdict(self)
-        out["hit_rate"] = self.hit_rate
-        return out
+        c = self.cache
+        return {
+            "prompt_tokens": c.prompt_tokens,
+            "cached_tokens": asdict(c.cached_tokens),
+            "prefilled_tokens": c.prefilled_tokens,
+            "recomputed_tokens": c.recomputed_tokens,
+            "generated_tokens": self.generated_tokens,
+            "pages": asdict(self.pages),
+            "evictions": asdict(c.evictions),
+            "disk_bytes": asdict(self.disk_bytes),
+            "disk_notice": self.disk_notice,
+            "requests": dict(self.requests),
+            "preemptions": self.preemptions,
+            "draft_tokens": c.draft_tokens,
+            "draft_reused_tokens": c.draft_reused_tokens,
+            "drafts": self.drafts,
+            "decode_tok_s": self.decode_tok_s,
+            "prefill_tok_s": self.prefill_tok_s,
+            "page_size": self.page_size,
+            "time": self.time,
+            "hit_rate": self.hit_rate,
+        }

@@ -30,6 +30,7 @@ import openai
 
 from kvchat.chat.engine_port import Turn, TurnFinished
 from kvchat.engine.api import (
+    CacheCounters,
     CachedTokens,
     DraftProgress,
     EngineEvent,
@@ -68,7 +69,7 @@ class RemoteStats(EngineStats):
     def hit_rate(self) -> float | None:  # type: ignore[override]
         if not self.reports_cached:
             return None
-        return self.cached_tokens.total / self.prompt_tokens if self.prompt_tokens else 0.0
+        return self.cache.hit_rate
 
     @property
     def pages_note(self) -> str:
@@ -85,14 +86,15 @@ class RemoteStats(EngineStats):
 
     def to_json(self) -> dict[str, object]:
         server = self.server
+        c = self.cache
         return {
-            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens": c.prompt_tokens,
             "cached_tokens": {
-                "device": self.cached_tokens.device if self.reports_cached else None,
+                "device": c.cached_tokens.device if self.reports_cached else None,
                 "host": None,
                 "disk": None,
             },
-            "prefilled_tokens": self.prefilled_tokens if self.reports_cached else None,
+            "prefilled_tokens": c.prefilled_tokens if self.reports_cached else None,
             "recomputed_tokens": None,
             "generated_tokens": self.generated_tokens,
             "pages": None,
@@ -106,7 +108,7 @@ class RemoteStats(EngineStats):
             "prefill_tok_s": None,
             "page_size": None,
             "time": self.time,
-            "hit_rate": self.hit_rate if self.prompt_tokens else None,
+            "hit_rate": self.hit_rate if c.prompt_tokens else None,
             "engine": dict(self.engine),
             "server": None if server is None else asdict(server),
         }
@@ -210,9 +212,11 @@ class RemoteEngine:
             totals = (self._prompt, self._cached, self._prefilled, self._generated)
         prompt, cached, prefilled, generated = totals
         return RemoteStats(
-            prompt_tokens=prompt,
-            cached_tokens=CachedTokens(cached, 0, 0),
-            prefilled_tokens=prefilled,
+            cache=CacheCounters(
+                prompt_tokens=prompt,
+                cached_tokens=CachedTokens(cached, 0, 0),
+                prefilled_tokens=prefilled,
+            ),
             generated_tokens=generated,
             requests={"running": running},
             decode_tok_s=decode_rate,

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from kvchat.chat.engine_port import ChatBackend
 from kvchat.engine.api import (
+    CacheCounters,
     CachedTokens,
     DraftProgress,
     EngineEvent,
@@ -241,9 +242,11 @@ class FakeEngine:
                 states[str(state)] = states.get(str(state), 0) + 1
             t = dict(self._totals)
         return EngineStats(
-            prompt_tokens=t["prompt"],
-            cached_tokens=CachedTokens(device=t["cached"]),
-            prefilled_tokens=t["prefilled"],
+            cache=CacheCounters(
+                prompt_tokens=t["prompt"],
+                cached_tokens=CachedTokens(device=t["cached"]),
+                prefilled_tokens=t["prefilled"],
+            ),
             generated_tokens=t["generated"],
             requests=states,
             page_size=16,

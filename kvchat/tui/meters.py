@@ -134,7 +134,7 @@ class Meters(Vertical):
         fresh = view is not None and view.id in self._finished_here
         last = view.last_turn if view is not None and fresh else None
         last_hit = last.hit_rate if last is not None and last.prompt_tokens else None
-        overall = stats.hit_rate if stats.prompt_tokens else None
+        overall = stats.hit_rate if stats.cache.prompt_tokens else None
         not_reported = getattr(stats, "not_reported", "")  # a remote server without the figure
         if not_reported:
             self._set("hit-rate", not_reported)
@@ -148,25 +148,20 @@ class Meters(Vertical):
             return
 
         lines = []
-        for tier in ("device", "host", "disk"):
-            pages = stats.pages.get(tier)
-            counts = (
-                f"{pages.active}/{pages.cached}/{pages.free}"
-                if pages is not None and pages.capacity
-                else "off"
-            )
+        for tier, pages in stats.pages.items():
+            counts = f"{pages.active}/{pages.cached}/{pages.free}" if pages.capacity else "off"
             if tier == "disk" and counts != "off":  # the folder is shared by every model
                 used, cap = stats.disk_bytes.used, stats.disk_bytes.capacity
                 counts += f"\n       {format_size(used)} of {format_size(cap)}"
             lines.append(Content.assemble(f"{tier:<6} ", tier_bar(pages), f"\n       {counts}"))
         self._set("pages", Content("\n").join(lines))
 
-        ev = stats.evictions
+        ev = stats.cache.evictions
         dropped = ev.host_dropped + ev.device_dropped + ev.disk_dropped
         total = ev.device_to_host + ev.host_to_disk + dropped
         rate = 0.0
         if self.previous is not None and stats.time > self.previous.time:
-            p = self.previous.evictions
+            p = self.previous.cache.evictions
             before = p.device_to_host + p.host_to_disk + p.host_dropped + p.device_dropped
             before += p.disk_dropped
             rate = max(0.0, (total - before) / (stats.time - self.previous.time))

@@ -65,14 +65,14 @@ def run_w6(ctx: BenchContext) -> dict:
                 "prefilled_follow_up_tokens": result["prefilled_follow_up_tokens"],
                 "hit_rate": stats.hit_rate,
                 "cached_tokens": {
-                    "device": stats.cached_tokens.device,
-                    "host": stats.cached_tokens.host,
-                    "disk": stats.cached_tokens.disk,
+                    "device": stats.cache.cached_tokens.device,
+                    "host": stats.cache.cached_tokens.host,
+                    "disk": stats.cache.cached_tokens.disk,
                 },
                 "evictions": {
-                    "device_to_host": stats.evictions.device_to_host,
-                    "host_dropped": stats.evictions.host_dropped,
-                    "host_to_disk": stats.evictions.host_to_disk,
+                    "device_to_host": stats.cache.evictions.device_to_host,
+                    "host_dropped": stats.cache.evictions.host_dropped,
+                    "host_to_disk": stats.cache.evictions.host_to_disk,
                 },
             }
 

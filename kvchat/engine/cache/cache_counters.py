@@ -1,59 +1,85 @@
-"""The KV cache's counters and the immutable snapshot the page table hands out.
+"""The KV cache's counters: one frozen set, kept by the page table and embedded in `EngineStats`.
 
 The counters follow the metric definitions of docs/kv-cache.md exactly, so the engine, the UI,
 the headless output and the bench all read one meaning: `prompt_tokens` is split
-into tokens served from a tier (`cached_*`) and tokens computed
+into tokens served from a tier (`cached_tokens`, per tier) and tokens computed
 (`prefilled_tokens`); recompute after preemption or requeue is counted apart in
 `recomputed_tokens` and never enters the hit rate. Counters only grow; rates come
 from the difference of two snapshots.
+
+Why frozen: the page table replaces its set at each change instead of mutating it, so
+the set it hands out is already the snapshot, and the engine embeds it as it is
+rather than copying it field by field.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-from kvchat.engine.stats import TierPages
+from kvchat.engine.events import CachedTokens
+
+
+def hit_rate(cached_tokens: int, prompt_tokens: int) -> float:
+    """The share of prompt tokens served from a cache tier: cached / prompt (0.0 before any)."""
+    return cached_tokens / prompt_tokens if prompt_tokens else 0.0
 
 
 @dataclass(frozen=True)
-class PageTableStats:
-    """A snapshot of the page table: page usage per tier, evictions, token counters."""
+class Evictions:
+    """Pages that left a tier, by where they went (monotonic)."""
 
-    device: TierPages
-    host: TierPages
-    device_to_host: int  # device pages evicted to the host tier (copied, or already there)
-    host_dropped: int  # pages lost entirely when their host slot was reused
-    device_dropped: int  # device pages evicted with nowhere to go (partial, or no host room)
-    prompt_tokens: int  # tokens of admitted prompts, once per turn
-    cached_device: int  # prompt tokens served from device pages (shared, cached, tail copies)
-    cached_host: int  # prompt tokens served by copying pages back from the host tier
-    cached_disk: int  # prompt tokens read back from the disk tier
-    prefilled_tokens: int  # prompt tokens that had to be computed
-    recomputed_tokens: int  # tokens computed again for preempted or requeued sequences
-    draft_tokens: int = 0  # tokens drafts computed (never in prompt_tokens or prefilled_tokens)
-    draft_reused_tokens: int = 0  # prompt tokens served from pages drafts computed (in cached_*)
+    device_to_host: int = 0  # device pages evicted to the host tier (copied, or already there)
+    host_dropped: int = 0  # pages lost entirely when they left the host tier
+    device_dropped: int = 0  # device pages evicted with nowhere to go (partial, or no room)
     host_to_disk: int = 0  # pages that left the host tier with a copy on disk
-    device_to_disk: int = 0  # device pages with no host room that were kept on disk
+    disk_dropped: int = 0  # page files removed to make room on disk
+
+    def plus(self, **counts: int) -> Evictions:
+        """These counters grown by the given amounts."""
+        return replace(self, **{name: getattr(self, name) + n for name, n in counts.items()})
+
+
+@dataclass(frozen=True)
+class CacheCounters:
+    """What the cache served, computed and evicted since the engine started."""
+
+    prompt_tokens: int = 0  # tokens of admitted prompts, once per turn
+    cached_tokens: CachedTokens = field(default_factory=CachedTokens)  # served, per tier
+    prefilled_tokens: int = 0  # prompt tokens that had to be computed
+    recomputed_tokens: int = 0  # tokens computed again for preempted or requeued sequences
+    draft_tokens: int = 0  # tokens drafts computed (never in prompt_tokens or prefilled_tokens)
+    draft_reused_tokens: int = 0  # prompt tokens served from pages drafts computed (in cached)
+    evictions: Evictions = field(default_factory=Evictions)
+    # device pages with no host room that were kept on disk: the page table's own figure,
+    # not part of the engine's `evictions` (whose fields the stats event fixes)
+    device_to_disk: int = 0
 
     @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens served without compute, all tiers together."""
-        return self.cached_device + self.cached_host + self.cached_disk
+    def hit_rate(self) -> float:
+        """sum(cached_tokens) / prompt_tokens, cumulative; 0 before any prompt."""
+        return hit_rate(self.cached_tokens.total, self.prompt_tokens)
 
+    def prompt_admitted(
+        self, tokens: int, cached: CachedTokens, draft_reused: int
+    ) -> CacheCounters:
+        """A turn's prompt of `tokens` tokens was admitted, `cached` of them served by tiers."""
+        had = self.cached_tokens
+        return replace(
+            self,
+            prompt_tokens=self.prompt_tokens + tokens,
+            cached_tokens=CachedTokens(
+                (had.device or 0) + (cached.device or 0),
+                (had.host or 0) + (cached.host or 0),
+                (had.disk or 0) + (cached.disk or 0),
+            ),
+            prefilled_tokens=self.prefilled_tokens + tokens - cached.total,
+            draft_reused_tokens=self.draft_reused_tokens + draft_reused,
+        )
 
-@dataclass
-class CacheCounters:
-    """The page table's own mutable counters (one instance per table, never global)."""
+    def plus(self, **counts: int) -> CacheCounters:
+        """These (plain integer) counters grown by the given amounts."""
+        return replace(self, **{name: getattr(self, name) + n for name, n in counts.items()})
 
-    device_to_host: int = 0
-    device_dropped: int = 0
-    host_to_disk: int = 0
-    device_to_disk: int = 0
-    prompt_tokens: int = 0
-    cached_device: int = 0
-    cached_host: int = 0
-    cached_disk: int = 0
-    prefilled_tokens: int = 0
-    recomputed_tokens: int = 0
-    draft_tokens: int = 0
-    draft_reused_tokens: int = 0
+    def evicted(self, **counts: int) -> CacheCounters:
+        """These eviction counters grown by the given amounts."""
+        return replace(self, evictions=self.evictions.plus(**counts))

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from kvchat.engine.cache.cache_counters import CacheCounters, PageTableStats
+from kvchat.engine.cache.cache_counters import CacheCounters
 from kvchat.engine.cache.defragment import (
     defrag_layout,
     defrag_targets,
@@ -46,6 +46,8 @@ from kvchat.engine.cache.page_hash import page_hash
 from kvchat.engine.cache.page_records import Page, SeqPages
 from kvchat.engine.cache.page_table_invariants import page_table_problems
 from kvchat.engine.cache.prefix_index import PrefixIndex
+from kvchat.engine.events import CachedTokens
+from kvchat.engine.per_tier import PerTier
 from kvchat.engine.stats import Residency, TierPages
 from kvchat.engine.tiers.host_tier import HostTier
 
@@ -104,16 +106,24 @@ class Reservation:
 
     seq_id: int
     pages: tuple[int, ...]
-    cached_device: int  # tokens found on the device (shared/cached pages + `reused_tail`)
-    cached_host: int  # tokens restored from the host tier
-    reused_tail: int  # tokens copied from a partial (or capped full) page; part of cached_device
-    to_compute_from: int  # == cached_device + cached_host + cached_disk
-    cached_draft: int = 0  # of cached_device: tokens that drafts computed and no turn had used
-    cached_disk: int = 0  # tokens read back from the disk tier
+    # tokens found per tier: on the device (shared/cached pages + `reused_tail`), restored
+    # from the host tier, read back from the disk tier
+    cached: CachedTokens
+    reused_tail: int  # tokens copied from a partial (or capped full) page; part of cached.device
+    to_compute_from: int  # == cached.total
+    cached_draft: int = 0  # of cached.device: tokens that drafts computed and no turn had used
 
     @property
     def cached_tokens(self) -> int:
-        return self.cached_device + self.cached_host + self.cached_disk
+        return self.cached.total
+
+
+@dataclass(frozen=True)
+class PageTableStats:
+    """A snapshot of the page table: pages per tier and its counters."""
+
+    pages: PerTier[TierPages]  # disk: empty here (the disk tier counts its own pages)
+    counters: CacheCounters
 
 
 @dataclass(frozen=True)
@@ -295,28 +305,13 @@ class PageTable:
             self._pages[p].last_used = clock
             pages.append(p)
 
-        cached = cached_device + cached_host + cached_disk
-        self._seqs[seq_id] = SeqPages(pages, cached, is_draft)
-        c = self._counters
+        found = CachedTokens(cached_device, cached_host, cached_disk)
+        self._seqs[seq_id] = SeqPages(pages, found.total, is_draft)
         if count_as == "prompt":
-            c.prompt_tokens += n
-            c.cached_device += cached_device
-            c.cached_host += cached_host
-            c.cached_disk += cached_disk
-            c.prefilled_tokens += n - cached
-            c.draft_reused_tokens += cached_draft
+            self._counters = self._counters.prompt_admitted(n, found, cached_draft)
         elif count_as == "recompute":
-            c.recomputed_tokens += n - cached
-        return Reservation(
-            seq_id,
-            tuple(pages),
-            cached_device,
-            cached_host,
-            reused_tail,
-            cached,
-            cached_draft,
-            cached_disk,
-        )
+            self._counters = self._counters.plus(recomputed_tokens=n - found.total)
+        return Reservation(seq_id, tuple(pages), found, reused_tail, found.total, cached_draft)
 
     def ensure_capacity(self, seq_id: int, total_tokens: int) -> bool:
         """Give the sequence slots for `total_tokens` tokens; False (no change) if impossible."""
@@ -351,7 +346,7 @@ class PageTable:
             )
         self._clock += 1
         if seq.draft:
-            self._counters.draft_tokens += len(token_ids)
+            self._counters = self._counters.plus(draft_tokens=len(token_ids))
         done = 0
         while done < len(token_ids):
             pos = seq.num_tokens
@@ -413,7 +408,7 @@ class PageTable:
         lower = [h for h, p in walk.chain if p is None]
         host = sum(ps for h in lower if self.host is not None and h in self.host)
         disk = len(lower) * ps - host
-        return Residency(device, host, len(tokens) - device - host - disk, disk)
+        return Residency(device, host, disk, nowhere=len(tokens) - device - host - disk)
 
     def prefetch(self, token_ids: Sequence[int]) -> int:
         """Bring back to the device the pages of this history that only the host or disk holds.
@@ -483,33 +478,13 @@ class PageTable:
     # ---- introspection -------------------------------------------------------------------
 
     def stats(self) -> PageTableStats:
-        c = self._counters
         free = len(self._free)
         cached = len(self._cached)
         device = TierPages(self.num_pages, self.num_pages - free - cached, cached, free)
-        if self.host is None:
-            host = TierPages(0, 0, 0, 0)
-            dropped = 0
-        else:
+        host = TierPages()
+        if self.host is not None:
             host = TierPages(self.host.num_slots, 0, len(self.host), self.host.free_slots)
-            dropped = self.host.dropped - c.host_to_disk  # only the pages lost entirely
-        return PageTableStats(
-            device=device,
-            host=host,
-            device_to_host=c.device_to_host,
-            host_dropped=dropped,
-            host_to_disk=c.host_to_disk,
-            device_to_disk=c.device_to_disk,
-            device_dropped=c.device_dropped,
-            prompt_tokens=c.prompt_tokens,
-            cached_device=c.cached_device,
-            cached_host=c.cached_host,
-            cached_disk=c.cached_disk,
-            prefilled_tokens=c.prefilled_tokens,
-            recomputed_tokens=c.recomputed_tokens,
-            draft_tokens=c.draft_tokens,
-            draft_reused_tokens=c.draft_reused_tokens,
-        )
+        return PageTableStats(PerTier(device, host, TierPages()), self._counters)
 
     def page_info(self, index: int) -> PageInfo:
         page = self._pages[index]
@@ -544,8 +519,9 @@ class PageTable:
             host=self.host,
             counters=self._counters,
         )
-        if self.host is not None and self._counters.host_to_disk > self.host.dropped:
-            out.append("more pages went from host to disk than left the host")
+        ev = self._counters.evictions
+        if self.host is not None and ev.host_to_disk + ev.host_dropped != self.host.dropped:
+            out.append("pages that left the host (to disk or lost) != the host's drops")
         if self.disk is not None:
             out.extend(self.disk.problems())
         return out
@@ -604,12 +580,11 @@ class PageTable:
     def _evict(self, p: int, protect_host: set[bytes]) -> None:
         """Empty a cached page: to the host tier if it is a full indexed page, else dropped."""
         page = self._pages[p]
-        c = self._counters
         h = page.hash
         if h is not None and self.host is not None and self._index.get(h) == p:
             if h in self.host:
                 self.host.touch(h, page.last_used)  # already there: no copy needed
-                c.device_to_host += 1
+                self._counters = self._counters.evicted(device_to_host=1)
             else:
                 assert page.parent is not None
                 slot = self.host.put(
@@ -625,7 +600,7 @@ class PageTable:
                     self._device_page_lost(p)
                 else:
                     self._mover.device_to_host(p, slot)
-                    c.device_to_host += 1
+                    self._counters = self._counters.evicted(device_to_host=1)
         else:
             self._device_page_lost(p)
         self._clear(p)
@@ -634,28 +609,29 @@ class PageTable:
         """Page `p` leaves the device with no host room: dropped, unless disk can keep it."""
         page = self._pages[p]
         h = page.hash
-        c = self._counters
         if self.disk is not None and h is not None and self._index.get(h) == p:
             assert page.parent is not None
             if h in self.disk or self.disk.save(
                 h, page.parent, tuple(page.tokens), self._mover.snapshot_device(p)
             ):
-                c.device_to_disk += 1
+                self._counters = self._counters.plus(device_to_disk=1)
                 return
-        c.device_dropped += 1
+        self._counters = self._counters.evicted(device_dropped=1)
 
     def _leaving_host(self, h: bytes, slot: int) -> None:
         """A host slot is about to be reused: its page goes to disk first unless already there."""
-        if self.disk is None or self.host is None:
-            return
-        if h in self.disk:
-            self._counters.host_to_disk += 1
-            return
-        entry = self.host.get(h)
-        assert entry is not None
-        parts = self._mover.snapshot_host(slot)
-        if self.disk.save(h, entry.parent, entry.tokens, parts):
-            self._counters.host_to_disk += 1
+        kept = False
+        if self.disk is not None and self.host is not None:
+            kept = h in self.disk
+            if not kept:
+                entry = self.host.get(h)
+                assert entry is not None
+                parts = self._mover.snapshot_host(slot)
+                kept = self.disk.save(h, entry.parent, entry.tokens, parts)
+        if kept:
+            self._counters = self._counters.evicted(host_to_disk=1)
+        else:  # lost entirely
+            self._counters = self._counters.evicted(host_dropped=1)
 
     def _load_from_disk(self, chain: list[tuple[bytes, int | None]]) -> dict[bytes, Any] | None:
         """Read the chain's pages that only the disk holds; None if one failed (it is gone)."""

@@ -115,9 +115,9 @@ def page_table_problems(
     if host is not None:
         out.extend(host.problems(ps))
     c = counters
-    values = vars(c).values()
-    if any(v < 0 for v in values):
+    values = [*vars(c).values(), *vars(c.cached_tokens).values(), *vars(c.evictions).values()]
+    if any(isinstance(v, int) and v < 0 for v in values):
         out.append(f"a counter is negative: {c}")
-    if c.prompt_tokens != c.cached_device + c.cached_host + c.cached_disk + c.prefilled_tokens:
+    if c.prompt_tokens != c.cached_tokens.total + c.prefilled_tokens:
         out.append(f"prompt tokens != cached + prefilled: {c}")
     return out
