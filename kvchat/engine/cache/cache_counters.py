@@ -15,8 +15,14 @@ rather than copying it field by field.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from kvchat.engine.events import CachedTokens
+
+# where a page went when it left a tier (`device_to_disk`: no host room, kept on disk)
+EvictionKind = Literal[
+    "device_to_host", "device_to_disk", "device_dropped", "host_to_disk", "host_dropped"
+]
 
 
 def hit_rate(cached_tokens: int, prompt_tokens: int) -> float:
@@ -83,3 +89,9 @@ class CacheCounters:
     def evicted(self, **counts: int) -> CacheCounters:
         """These eviction counters grown by the given amounts."""
         return replace(self, evictions=self.evictions.plus(**counts))
+
+    def eviction(self, kind: EvictionKind) -> CacheCounters:
+        """One more page that left a tier this way."""
+        if kind == "device_to_disk":
+            return self.plus(device_to_disk=1)
+        return self.evicted(**{kind: 1})

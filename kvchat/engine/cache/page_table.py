@@ -3,14 +3,12 @@
 A sequence's K/V lives in fixed-size device pages of `page_size` token slots.
 Each full page is named by a chained hash (see `page_hash`), so one hash names a
 whole prefix; pages are shared by reference count between live sequences, and a
-finished sequence's pages stay indexed as the prompt cache. A new request walks
-its full pages: shared or cached on the device → restored from the host tier →
-read back from the disk tier → computed. The ragged tail of a previous turn (a
-partial page) is reused by copying its matching tokens into a fresh page, so
-switching back to a
-conversation recomputes only what is new since its last turn; when the cached
-partial page holds exactly the matched tokens, the sequence extends it in place
-instead, so its pages stay one ascending run.
+finished sequence's pages stay indexed as the prompt cache. `reserve` walks a
+request's full pages by chained hash (`admission`), then resolves each page in one
+loop: a device hit, a host restore, a disk restore, or a page to compute; then the
+tail, the partial page of a previous turn, whose matching tokens are copied into a
+fresh page (or extended in place when it holds exactly them). So switching back to a
+conversation recomputes only what is new since its last turn.
 
 This module is pure bookkeeping (no torch): whenever K/V must physically move
 (to the host on eviction, back on a hit, a tail copy, a defragmenting move) the
@@ -20,31 +18,29 @@ touches (dict indexes, a free-page heap), except victim selection, which scans
 the cached pages once per allocation that has to evict.
 
 The table is not thread-safe: the engine calls it from its step thread only.
-Its parts each live in a file: `prefix_index` (hash -> page, tails), `free_pages`
-(the allocator), `eviction` (the victim order and why), `defragment` (idle
-packing) and `page_table_invariants` (the checker behind `validate()`). What
-stays here is one class on purpose: admission, commit and release each change the
-pages, the index, the free list and the counters in one step, and the invariants
-tie those together.
+Its parts each live in a file: `prefix_index` (hash -> page, tails), `free_pages`,
+`eviction` (the victim order and why), `lower_tiers` (the host and disk tiers),
+`admission` (what a request needs), `defragment`, `page_table_views` (what it hands
+out) and `page_table_invariants` (behind `validate()`). What stays here is one class
+on purpose: admission, commit and release each change the pages, the index, the free
+list and the counters in one step, and the invariants tie those together.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-from kvchat.engine.cache.cache_counters import CacheCounters
-from kvchat.engine.cache.defragment import (
-    defrag_layout,
-    defrag_targets,
-    move_into_place,
-)
+from kvchat.engine.cache.admission import Admission, plan_admission
+from kvchat.engine.cache.cache_counters import CacheCounters, EvictionKind
+from kvchat.engine.cache.defragment import defrag_layout, defrag_targets, move_into_place
 from kvchat.engine.cache.eviction import eviction_order
 from kvchat.engine.cache.free_pages import FreePages
+from kvchat.engine.cache.lower_tiers import DiskStore, LowerTiers, PageMover
 from kvchat.engine.cache.page_hash import page_hash
 from kvchat.engine.cache.page_records import Page, SeqPages
-from kvchat.engine.cache.page_table_invariants import page_table_problems
+from kvchat.engine.cache.page_table_invariants import PageTableCorrupt, page_table_problems
+from kvchat.engine.cache.page_table_views import PageInfo, PageTableStats, Reservation
 from kvchat.engine.cache.prefix_index import PrefixIndex
 from kvchat.engine.events import CachedTokens
 from kvchat.engine.per_tier import PerTier
@@ -52,108 +48,14 @@ from kvchat.engine.stats import Residency, TierPages
 from kvchat.engine.tiers.host_tier import HostTier
 
 
-class PageTableCorrupt(AssertionError):
-    """`validate()` found a broken invariant: a bug in the table, never a user error."""
-
-
-class PageMover(Protocol):
-    """Moves K/V bytes when the table says so; `kv_store.KVPageMover` is the real one."""
-
-    def device_to_host(self, device_page: int, host_slot: int) -> None: ...
-
-    def host_to_device(self, host_slot: int, device_page: int) -> None: ...
-
-    def copy_tokens(self, src_page: int, dst_page: int, n_tokens: int) -> None:
-        """Copy the first `n_tokens` slots of `src_page` into `dst_page`."""
-        ...
-
-    def move_page(self, src_page: int, dst_page: int) -> None: ...
-
-    # the disk tier's side: a page's K/V as opaque CPU data (tensors for the real mover)
-    def snapshot_device(self, device_page: int) -> Any: ...
-
-    def snapshot_host(self, host_slot: int) -> Any: ...
-
-    def load_device(self, parts: Any, device_page: int) -> None: ...
-
-
-class DiskStore(Protocol):
-    """The disk tier as the page table uses it (`disk_tier.DiskTier` is the real one)."""
-
-    def __contains__(self, h: object) -> bool: ...
-
-    def save(self, h: bytes, parent: bytes, tokens: tuple[int, ...], parts: Any) -> bool:
-        """Keep page `h` (queued, written in the background); False if it cannot be kept."""
-        ...
-
-    def load(self, h: bytes) -> Any | None:
-        """Page `h`'s data, or None when it cannot be served (vanished, or failed a check)."""
-        ...
-
-    def touch(self, h: bytes) -> None: ...
-
-    def problems(self) -> list[str]: ...
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """What `reserve` found and allocated for one sequence.
-
-    `pages` covers every prompt token plus one slot for the first generated token.
-    The first `to_compute_from` tokens already have K/V in those pages; the engine
-    computes the rest (always at least one token, for the last token's logits).
-    """
-
-    seq_id: int
-    pages: tuple[int, ...]
-    # tokens found per tier: on the device (shared/cached pages + `reused_tail`), restored
-    # from the host tier, read back from the disk tier
-    cached: CachedTokens
-    reused_tail: int  # tokens copied from a partial (or capped full) page; part of cached.device
-    to_compute_from: int  # == cached.total
-    cached_draft: int = 0  # of cached.device: tokens that drafts computed and no turn had used
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.cached.total
-
-
-@dataclass(frozen=True)
-class PageTableStats:
-    """A snapshot of the page table: pages per tier and its counters."""
-
-    pages: PerTier[TierPages]  # disk: empty here (the disk tier counts its own pages)
-    counters: CacheCounters
-
-
-@dataclass(frozen=True)
-class PageInfo:
-    """A read-only view of one device page (for tests, debugging and the UI)."""
-
-    index: int
-    hash: bytes | None  # set once the page is full
-    parent: bytes | None  # the previous page's hash (or the root salt); None while empty
-    tokens: tuple[int, ...]
-    refcount: int
-    last_used: int
-    indexed: bool  # matchable by hash (a full page computed twice keeps one copy indexed)
-    draft_from: int | None = None  # slots from here on a draft computed and no turn used yet
-
-
 class PageTable:
-    """Device pages of one KV pool: allocation, prefix sharing, eviction, host tier, defrag.
+    """Device pages of one KV pool: allocation, prefix sharing, eviction, lower tiers, defrag.
 
     When no page is free, cached pages are evicted in the order `eviction` gives
     (orphans, pages only drafts computed, then whole trees by least-recently-used
-    root, deepest page first).
-    Evicting a full indexed page copies it to the host tier (or finds it there
-    already); a partial page, or any page without a host tier, is dropped.
-    Referenced pages are never victims.
-
-    With a disk tier, the full pages of a sequence are saved when it is released
-    (its turn finished; written in the background), and a page leaving the host
-    tier, or leaving the device with no host room, is saved first if it is not on
-    disk yet: a page leaves RAM without being lost.
+    root, deepest page first). Evicting a full indexed page hands it to the lower
+    tiers (`LowerTiers.keep`: the host tier, else disk); a partial page is dropped.
+    Referenced pages are never victims. A released sequence's full pages go to disk too.
     """
 
     def __init__(
@@ -172,8 +74,6 @@ class PageTable:
         self.num_pages = num_pages
         self.page_size = page_size
         self.salt = salt
-        self.host = host
-        self.disk = disk
         self._mover = mover
         self._pages = [Page(i) for i in range(num_pages)]
         self._free = FreePages(range(num_pages))  # lowest page first, so pages stay packed
@@ -182,6 +82,17 @@ class PageTable:
         self._seqs: dict[int, SeqPages] = {}
         self._clock = 0  # logical: one tick per operation
         self._counters = CacheCounters()
+        self._tiers = LowerTiers(
+            host, disk, mover, anchored=self._anchored, count=self._count_eviction
+        )
+
+    @property
+    def host(self) -> HostTier | None:
+        return self._tiers.host
+
+    @property
+    def disk(self) -> DiskStore | None:
+        return self._tiers.disk
 
     # ---- admission -----------------------------------------------------------------------
 
@@ -195,8 +106,8 @@ class PageTable:
         """Admit a sequence whose K/V must cover `token_ids`; None (no change) if it cannot fit.
 
         Full pages are matched by hash (shared on the device, else restored from the
-        host), then the longest matching prefix of a page under the last matched
-        hash is copied as the tail. At most `len(token_ids) - 1` tokens count as
+        host or disk tier), then the longest matching prefix of a page under the last
+        matched hash is reused as the tail. At most `len(token_ids) - 1` tokens count as
         cached: the engine must compute at least the last one to get its logits.
 
         A draft (`count_as="draft"`) gets no slot for a generated token, counts in no
@@ -212,106 +123,118 @@ class PageTable:
         n = len(tokens)
         if n == 0:
             raise ValueError("a sequence needs at least one token")
-        ps = self.page_size
-        walk = self._index.walk(tokens, n - 1, self.salt, self.host, host_tail=True, disk=self.disk)
-        device_hits = [p for _, p in walk.chain if p is not None]
-        # ceil((n + 1) / ps): the prompt plus one generated token; a draft generates none
-        total_pages = -(-n // ps) if is_draft else n // ps + 1
-        need = total_pages - len(device_hits)
-        pinned = set(device_hits)
-        takeover = walk.tail_src is not None and self._can_take_over(walk.tail_src, walk.tail_len)
-        if not self._can_allocate(need - int(takeover), pinned | _opt(walk.tail_src)):
-            if walk.tail_src is None or not self._can_allocate(need, pinned):
-                return None
-            walk.tail_src, walk.tail_len = None, 0  # make room by giving up the tail copy
-            takeover = False
-        from_disk = self._load_from_disk(walk.chain)
-        if from_disk is None:  # a page file failed its checks and is gone: match again
-            return self.reserve(seq_id, token_ids, count_as=count_as)
-
+        plan = plan_admission(
+            tokens,
+            is_draft,
+            salt=self.salt,
+            index=self._index,
+            tiers=self._tiers,
+            can_allocate=self._can_allocate,
+            can_take_over=self._can_take_over,
+        )
+        if plan is None:
+            return None
+        walk, ps = plan.walk, self.page_size
         self._clock += 1
         clock = self._clock
         cached_draft = 0
-        for p in device_hits:
+        for p in plan.device_hits:  # pinned first: making room below never evicts them
             if not is_draft:
-                cached_draft += self._take_from_draft(p, self.page_size)
+                cached_draft += self._take_from_draft(p, ps)
             self._ref(p, clock)
-        host_hits = [h for h, p in walk.chain if p is None]
-        protect_host = set(host_hits) | _opt(walk.tail_host)
-        after: int | None = device_hits[-1] if device_hits and not host_hits else None
-        if takeover:
-            assert walk.tail_src is not None
-            self._cached.discard(walk.tail_src)  # this sequence extends it in place
-            after = walk.tail_src
-        fresh = self._allocate(need - int(takeover), _opt(walk.tail_src), protect_host, after=after)
+        if plan.takeover:
+            self._cached.discard(plan.after)  # this sequence extends it in place
+        fresh = iter(
+            self._allocate(plan.fresh, _opt(walk.tail_src), plan.protect_host, after=plan.after)
+        )
 
         pages: list[int] = []
-        it = iter(fresh)
-        cached_host = cached_disk = 0
+        on_device = on_host = on_disk = 0
         parent = self.salt
-        for i, (h, p) in enumerate(walk.chain):
-            if p is None:  # restore from the host tier, or read back from disk
-                p = next(it)
-                if h in from_disk:
-                    page_tokens = tokens[i * ps : (i + 1) * ps]
-                    self._restore_from_disk(h, parent, page_tokens, from_disk[h], p, clock)
-                    cached_disk += ps
-                else:
-                    self._restore(h, p, clock)
-                    cached_host += ps
+        for h, p in walk.chain:  # one case per full page
+            if p is not None:  # a device hit, pinned above
+                on_device += ps
+            elif h in plan.from_disk:  # read back from the disk tier
+                p = next(fresh)
+                self._tiers.restore_from_disk(plan.from_disk[h], p)
+                start = len(pages) * ps
+                self._index_restored(p, h, parent, tokens[start : start + ps], clock)
                 self._pages[p].refcount = 1
+                on_disk += ps
+            else:  # restored from the host tier
+                p = next(fresh)
+                entry = self._tiers.restore_from_host(h, p, clock)
+                self._index_restored(p, h, entry.parent, entry.tokens, clock)
+                self._pages[p].refcount = 1
+                on_host += ps
             pages.append(p)
             parent = h
-        cached_device = len(device_hits) * ps
         reused_tail = 0
         if walk.tail_len:
-            p = walk.tail_src if takeover else next(it)
-            assert p is not None
-            page = self._pages[p]
-            m = walk.tail_len
-            if takeover:
-                page.last_used = clock  # already holds exactly the matched tokens
-                cached_device += m
-                reused_tail = m
-                if not is_draft:
-                    cached_draft += self._take_from_draft(p, m)
-            elif walk.tail_src is not None:
-                src = self._pages[walk.tail_src]
-                self._mover.copy_tokens(walk.tail_src, p, m)
-                page.tokens = src.tokens[:m]
-                src.last_used = clock
-                cached_device += m
-                reused_tail = m
-                guessed = src.draft_from is not None and src.draft_from < m
-                if guessed and is_draft:  # the copy is as much a guess as its source
-                    page.draft_from = src.draft_from
-                elif guessed:
-                    cached_draft += m - (src.draft_from or 0)
-            else:
-                assert walk.tail_host is not None and self.host is not None
-                slot = self.host.slot_of(walk.tail_host)
-                assert slot is not None
-                self._mover.host_to_device(slot, p)
-                page.tokens = list(tokens[len(pages) * ps : len(pages) * ps + m])
-                self.host.touch(walk.tail_host, clock)
-                cached_host += m
-            page.parent = parent
-            self._index.add_child(parent, p)
-            page.refcount = 1
-            page.last_used = clock
+            p, reused_tail, tail_host, tail_draft = self._reserve_tail(
+                plan, fresh, tokens[len(pages) * ps :], parent, clock, is_draft
+            )
+            on_device += reused_tail
+            on_host += tail_host
+            cached_draft += tail_draft
             pages.append(p)
-        for p in it:
+        for p in fresh:  # the pages to compute
             self._pages[p].refcount = 1
             self._pages[p].last_used = clock
             pages.append(p)
 
-        found = CachedTokens(cached_device, cached_host, cached_disk)
+        found = CachedTokens(on_device, on_host, on_disk)
         self._seqs[seq_id] = SeqPages(pages, found.total, is_draft)
         if count_as == "prompt":
             self._counters = self._counters.prompt_admitted(n, found, cached_draft)
         elif count_as == "recompute":
             self._counters = self._counters.plus(recomputed_tokens=n - found.total)
         return Reservation(seq_id, tuple(pages), found, reused_tail, found.total, cached_draft)
+
+    def _reserve_tail(
+        self,
+        plan: Admission,
+        fresh: Any,
+        rest: tuple[int, ...],
+        parent: bytes,
+        clock: int,
+        is_draft: bool,
+    ) -> tuple[int, int, int, int]:
+        """Reuse the walk's tail: extend the cached partial page, copy its tokens into a fresh
+        page, or restore a host page's first tokens. `rest` are the tokens after the full
+        pages. Returns the page and its tokens from the device, from the host, from drafts."""
+        walk = plan.walk
+        m = walk.tail_len
+        p = walk.tail_src if plan.takeover else next(fresh)
+        assert p is not None
+        page = self._pages[p]
+        on_device = on_host = drafted = 0
+        if plan.takeover:
+            page.last_used = clock  # already holds exactly the matched tokens
+            on_device = m
+            if not is_draft:
+                drafted = self._take_from_draft(p, m)
+        elif walk.tail_src is not None:
+            src = self._pages[walk.tail_src]
+            self._mover.copy_tokens(walk.tail_src, p, m)
+            page.tokens = src.tokens[:m]
+            src.last_used = clock
+            on_device = m
+            guessed = src.draft_from is not None and src.draft_from < m
+            if guessed and is_draft:  # the copy is as much a guess as its source
+                page.draft_from = src.draft_from
+            elif guessed:
+                drafted = m - (src.draft_from or 0)
+        else:
+            assert walk.tail_host is not None
+            self._tiers.restore_from_host(walk.tail_host, p, clock)
+            page.tokens = list(rest[:m])
+            on_host = m
+        page.parent = parent
+        self._index.add_child(parent, p)
+        page.refcount = 1
+        page.last_used = clock
+        return p, on_device, on_host, drafted
 
     def ensure_capacity(self, seq_id: int, total_tokens: int) -> bool:
         """Give the sequence slots for `total_tokens` tokens; False (no change) if impossible."""
@@ -331,9 +254,9 @@ class PageTable:
     def commit(self, seq_id: int, token_ids: Sequence[int]) -> None:
         """Record that these tokens' K/V is now written at the sequence's next positions.
 
-        A page that becomes full gets its hash and joins the index, unless another
-        page already holds that hash (two sequences computed the same prefix at
-        once): the indexed one stays, this one is freed when its sequence ends.
+        A page that becomes full gets its hash and joins the index, unless another page
+        holds that hash (two sequences computed the same prefix at once): the indexed
+        one stays, this one is freed when its sequence ends.
         """
         seq = self._seq(seq_id)
         token_ids = list(map(int, token_ids))
@@ -378,7 +301,7 @@ class PageTable:
             raise ValueError(f"sequence {seq_id} is not live")
         self._clock += 1
         if self.disk is not None and not seq.draft:  # a draft's pages are guesses: not kept
-            self._save_to_disk(seq.pages)
+            self._tiers.save_released(self._indexed_chain(seq.pages))
         for p in reversed(seq.pages):
             page = self._pages[p]
             page.refcount -= 1
@@ -406,7 +329,7 @@ class PageTable:
         ps = self.page_size
         device = sum(ps for _, p in walk.chain if p is not None) + walk.tail_len
         lower = [h for h, p in walk.chain if p is None]
-        host = sum(ps for h in lower if self.host is not None and h in self.host)
+        host = sum(ps for h in lower if self._tiers.on_host(h))
         disk = len(lower) * ps - host
         return Residency(device, host, disk, nowhere=len(tokens) - device - host - disk)
 
@@ -418,35 +341,40 @@ class PageTable:
         of other chains are used. Returns the number of pages restored.
         """
         tokens = tuple(token_ids)
-        walk = self._index.walk(
-            tokens, len(tokens), self.salt, self.host, host_tail=False, disk=self.disk
-        )
-        on_device = {p for _, p in walk.chain if p is not None}
-        k = min(
-            sum(1 for _, p in walk.chain if p is None),
-            len(self._free) + len(self._cached - on_device),
-        )
-        if k == 0:
-            return 0
-        # the first k pages not on the device, each with its parent and tokens
-        wanted: list[tuple[bytes, bytes, tuple[int, ...]]] = []
-        parent, ps = self.salt, self.page_size
-        for i, (h, p) in enumerate(walk.chain):
-            if p is None and len(wanted) < k:
-                wanted.append((h, parent, tokens[i * ps : (i + 1) * ps]))
-            parent = h
-        from_disk = self._load_from_disk([(h, None) for h, _, _ in wanted])
-        if from_disk is None:  # a page file failed its checks and is gone: look again
-            return self.prefetch(token_ids)
+        ps = self.page_size
+        while True:  # again when a disk page failed its checks (it is gone now)
+            walk = self._index.walk(
+                tokens, len(tokens), self.salt, self.host, host_tail=False, disk=self.disk
+            )
+            on_device = {p for _, p in walk.chain if p is not None}
+            k = min(
+                sum(1 for _, p in walk.chain if p is None),
+                len(self._free) + len(self._cached - on_device),
+            )
+            if k == 0:
+                return 0
+            # the first k pages not on the device, each with its parent and tokens
+            wanted: list[tuple[bytes, bytes, tuple[int, ...]]] = []
+            parent = self.salt
+            for i, (h, p) in enumerate(walk.chain):
+                if p is None and len(wanted) < k:
+                    wanted.append((h, parent, tokens[i * ps : (i + 1) * ps]))
+                parent = h
+            from_disk = self._tiers.read_disk_only([h for h, _, _ in wanted])
+            if from_disk is not None:
+                break
         self._clock += 1
+        clock = self._clock
         for p in on_device:
-            self._pages[p].last_used = self._clock
+            self._pages[p].last_used = clock
         fresh = self._allocate(k, on_device, {h for h, _ in walk.chain})
         for (h, parent, page_tokens), p in zip(wanted, fresh, strict=True):
             if h in from_disk:
-                self._restore_from_disk(h, parent, page_tokens, from_disk[h], p, self._clock)
+                self._tiers.restore_from_disk(from_disk[h], p)
+                self._index_restored(p, h, parent, page_tokens, clock)
             else:
-                self._restore(h, p, self._clock)
+                entry = self._tiers.restore_from_host(h, p, clock)
+                self._index_restored(p, h, entry.parent, entry.tokens, clock)
             self._cached.add(p)
         return k
 
@@ -487,18 +415,7 @@ class PageTable:
         return PageTableStats(PerTier(device, host, TierPages()), self._counters)
 
     def page_info(self, index: int) -> PageInfo:
-        page = self._pages[index]
-        indexed = self._index.is_indexed(index)
-        return PageInfo(
-            index,
-            page.hash,
-            page.parent,
-            tuple(page.tokens),
-            page.refcount,
-            page.last_used,
-            indexed,
-            page.draft_from,
-        )
+        return PageInfo.of(self._pages[index], indexed=self._index.is_indexed(index))
 
     def validate(self) -> None:
         """Check every invariant; raise `PageTableCorrupt` naming the first broken one."""
@@ -522,8 +439,7 @@ class PageTable:
         ev = self._counters.evictions
         if self.host is not None and ev.host_to_disk + ev.host_dropped != self.host.dropped:
             out.append("pages that left the host (to disk or lost) != the host's drops")
-        if self.disk is not None:
-            out.extend(self.disk.problems())
+        out.extend(self._tiers.problems())
         return out
 
     # ---- internals -----------------------------------------------------------------------
@@ -578,94 +494,33 @@ class PageTable:
         return out
 
     def _evict(self, p: int, protect_host: set[bytes]) -> None:
-        """Empty a cached page: to the host tier if it is a full indexed page, else dropped."""
+        """Empty a cached page: a full indexed page goes to the lower tiers, others are dropped."""
         page = self._pages[p]
         h = page.hash
-        if h is not None and self.host is not None and self._index.get(h) == p:
-            if h in self.host:
-                self.host.touch(h, page.last_used)  # already there: no copy needed
-                self._counters = self._counters.evicted(device_to_host=1)
-            else:
-                assert page.parent is not None
-                slot = self.host.put(
-                    h,
-                    page.parent,
-                    tuple(page.tokens),
-                    page.last_used,
-                    anchored=self._anchored,
-                    protect=protect_host,
-                    before_drop=self._leaving_host,
-                )
-                if slot is None:
-                    self._device_page_lost(p)
-                else:
-                    self._mover.device_to_host(p, slot)
-                    self._counters = self._counters.evicted(device_to_host=1)
+        if h is not None and self._index.get(h) == p:
+            assert page.parent is not None
+            self._tiers.keep(h, page.parent, tuple(page.tokens), p, page.last_used, protect_host)
         else:
-            self._device_page_lost(p)
+            self._count_eviction("device_dropped")
         self._clear(p)
 
-    def _device_page_lost(self, p: int) -> None:
-        """Page `p` leaves the device with no host room: dropped, unless disk can keep it."""
-        page = self._pages[p]
-        h = page.hash
-        if self.disk is not None and h is not None and self._index.get(h) == p:
-            assert page.parent is not None
-            if h in self.disk or self.disk.save(
-                h, page.parent, tuple(page.tokens), self._mover.snapshot_device(p)
-            ):
-                self._counters = self._counters.plus(device_to_disk=1)
-                return
-        self._counters = self._counters.evicted(device_dropped=1)
+    def _count_eviction(self, kind: EvictionKind) -> None:
+        self._counters = self._counters.eviction(kind)
 
-    def _leaving_host(self, h: bytes, slot: int) -> None:
-        """A host slot is about to be reused: its page goes to disk first unless already there."""
-        kept = False
-        if self.disk is not None and self.host is not None:
-            kept = h in self.disk
-            if not kept:
-                entry = self.host.get(h)
-                assert entry is not None
-                parts = self._mover.snapshot_host(slot)
-                kept = self.disk.save(h, entry.parent, entry.tokens, parts)
-        if kept:
-            self._counters = self._counters.evicted(host_to_disk=1)
-        else:  # lost entirely
-            self._counters = self._counters.evicted(host_dropped=1)
-
-    def _load_from_disk(self, chain: list[tuple[bytes, int | None]]) -> dict[bytes, Any] | None:
-        """Read the chain's pages that only the disk holds; None if one failed (it is gone)."""
-        out: dict[bytes, Any] = {}
-        if self.disk is None:
-            return out
-        for h, p in chain:
-            if p is None and (self.host is None or h not in self.host):
-                parts = self.disk.load(h)
-                if parts is None:
-                    return None
-                out[h] = parts
+    def _indexed_chain(self, pages: list[int]) -> list[tuple[bytes, bytes, tuple[int, ...], int]]:
+        """A sequence's leading full, indexed pages: hash, parent, tokens, device page."""
+        out = []
+        for p in pages:  # the chain's full, indexed pages come first
+            if not self._index.is_indexed(p):
+                break
+            page = self._pages[p]
+            out.append((page.hash, page.parent, tuple(page.tokens), p))
         return out
 
-    def _save_to_disk(self, pages: list[int]) -> None:
-        """Queue the disk writes of a released sequence's full pages that disk lacks."""
-        assert self.disk is not None
-        for i, p in enumerate(pages):
-            page = self._pages[p]
-            h = page.hash
-            if h is None or self._index.get(h) != p:
-                break  # the chain's full, indexed pages come first
-            if h in self.disk:
-                if i == 0:
-                    self.disk.touch(h)  # a tree's order of use is its root's
-                continue
-            assert page.parent is not None
-            self.disk.save(h, page.parent, tuple(page.tokens), self._mover.snapshot_device(p))
-
-    def _restore_from_disk(
-        self, h: bytes, parent: bytes, tokens: tuple[int, ...], parts: Any, p: int, clock: int
+    def _index_restored(
+        self, p: int, h: bytes, parent: bytes, tokens: Sequence[int], clock: int
     ) -> None:
-        """Copy a page read from disk into empty device page `p` and index it."""
-        self._mover.load_device(parts, p)
+        """Device page `p` now holds page `h` copied back from a lower tier: index it."""
         page = self._pages[p]
         page.hash = h
         page.parent = parent
@@ -703,20 +558,6 @@ class PageTable:
         page.refcount += 1
         page.last_used = clock
 
-    def _restore(self, h: bytes, p: int, clock: int) -> None:
-        """Copy host page `h` into empty device page `p` and index it (refcount left at 0)."""
-        assert self.host is not None
-        entry = self.host.get(h)
-        assert entry is not None
-        self._mover.host_to_device(entry.slot, p)
-        self.host.touch(h, clock)
-        page = self._pages[p]
-        page.hash = h
-        page.parent = entry.parent
-        page.tokens = list(entry.tokens)
-        page.last_used = clock
-        self._index.add_restored(h, entry.parent, p)
-
     def _settle(self, p: int) -> None:
         """A page's last holder let go: keep it as cache if it can be matched, else free it."""
         page = self._pages[p]
@@ -729,42 +570,18 @@ class PageTable:
                 self._clear(p)
                 self._free.push(p)
                 return
-        elif self._is_dominated(p):
+        elif self._index.is_dominated(p, self._cached):
             self._clear(p)
             self._free.push(p)
             return
         self._cached.add(p)
         self._drop_dominated_siblings(p)
 
-    def _is_dominated(self, p: int) -> bool:
-        """A partial page is useless when a kept sibling starts with all of its tokens."""
-        page = self._pages[p]
-        assert page.parent is not None
-        n = len(page.tokens)
-        for q in self._index.children_of(page.parent):
-            other = self._pages[q]
-            if q == p or len(other.tokens) < n or other.tokens[:n] != page.tokens:
-                continue
-            if q in self._cached or (other.hash is not None and self._index.get(other.hash) == q):
-                return True
-        return False
-
     def _drop_dominated_siblings(self, p: int) -> None:
         """Free cached partial pages whose tokens are a prefix of page `p`'s: `p` matches better."""
-        page = self._pages[p]
-        assert page.parent is not None
-        for q in list(self._index.children_of(page.parent)):
-            other = self._pages[q]
-            n = len(other.tokens)
-            if (
-                q != p
-                and q in self._cached
-                and n < self.page_size
-                and n <= len(page.tokens)
-                and page.tokens[:n] == other.tokens
-            ):
-                self._clear(q)
-                self._free.push(q)
+        for q in self._index.dominated_siblings(p, self._cached):
+            self._clear(q)
+            self._free.push(q)
 
     def _move(self, src: int, dst: int) -> None:
         """Move a cached page's K/V and bookkeeping from `src` to the free page `dst`."""

@@ -14,6 +14,10 @@ from kvchat.engine.cache.prefix_index import PrefixIndex
 from kvchat.engine.tiers.host_tier import HostTier
 
 
+class PageTableCorrupt(AssertionError):
+    """`validate()` found a broken invariant: a bug in the table, never a user error."""
+
+
 def page_table_problems(
     *,
     page_size: int,

@@ -103,6 +103,38 @@ class PrefixIndex:
             if not kids:
                 del self.children[page.parent]
 
+    def is_dominated(self, p: int, cached: Container[int]) -> bool:
+        """A partial page is useless when a kept sibling (cached, or indexed) starts with all
+        of its tokens: a lookup would always match that sibling at least as far."""
+        page = self._pages[p]
+        assert page.parent is not None
+        n = len(page.tokens)
+        for q in self.children_of(page.parent):
+            other = self._pages[q]
+            if q == p or len(other.tokens) < n or other.tokens[:n] != page.tokens:
+                continue
+            if q in cached or (other.hash is not None and self.by_hash.get(other.hash) == q):
+                return True
+        return False
+
+    def dominated_siblings(self, p: int, cached: Container[int]) -> list[int]:
+        """Cached partial pages beside `p` whose tokens start `p`'s: `p` matches better."""
+        page = self._pages[p]
+        assert page.parent is not None
+        out = []
+        for q in self.children_of(page.parent):
+            other = self._pages[q]
+            n = len(other.tokens)
+            if (
+                q != p
+                and q in cached
+                and n < self.page_size
+                and n <= len(page.tokens)
+                and page.tokens[:n] == other.tokens
+            ):
+                out.append(q)
+        return out
+
     def moved(self, page: Page, src: int, dst: int) -> None:
         """Page `page` moved from device page `src` to `dst`: repoint its entries."""
         if page.hash is not None and self.by_hash.get(page.hash) == src:

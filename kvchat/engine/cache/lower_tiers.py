@@ -1,0 +1,186 @@
+"""The tiers below the device, as the page table uses them: the host tier and the disk tier.
+
+Why one object: every place the table met a lower tier (admission restoring pages,
+eviction keeping them, release saving them, a host slot being reused) used to ask
+"is there a host tier? a disk tier? is the page there already?" on its own, so the
+rules for where a page goes lived in five methods. Here they live once: a page
+leaving the device goes to the host tier, else (no host room) to disk, else it is
+dropped; a page leaving the host goes to disk first unless it is there already.
+
+This object moves bytes through the table's `PageMover` and counts evictions through
+the callback the table gives it; the table keeps the page records and the index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any, Protocol
+
+from kvchat.engine.cache.cache_counters import EvictionKind
+from kvchat.engine.tiers.host_tier import HostPage, HostTier
+
+
+class PageMover(Protocol):
+    """Moves K/V bytes when the table says so; `kv_store.KVPageMover` is the real one."""
+
+    def device_to_host(self, device_page: int, host_slot: int) -> None: ...
+
+    def host_to_device(self, host_slot: int, device_page: int) -> None: ...
+
+    def copy_tokens(self, src_page: int, dst_page: int, n_tokens: int) -> None:
+        """Copy the first `n_tokens` slots of `src_page` into `dst_page`."""
+        ...
+
+    def move_page(self, src_page: int, dst_page: int) -> None: ...
+
+    # the disk tier's side: a page's K/V as opaque CPU data (tensors for the real mover)
+    def snapshot_device(self, device_page: int) -> Any: ...
+
+    def snapshot_host(self, host_slot: int) -> Any: ...
+
+    def load_device(self, parts: Any, device_page: int) -> None: ...
+
+
+class DiskStore(Protocol):
+    """The disk tier as the page table uses it (`disk_tier.DiskTier` is the real one)."""
+
+    def __contains__(self, h: object) -> bool: ...
+
+    def save(self, h: bytes, parent: bytes, tokens: tuple[int, ...], parts: Any) -> bool:
+        """Keep page `h` (queued, written in the background); False if it cannot be kept."""
+        ...
+
+    def load(self, h: bytes) -> Any | None:
+        """Page `h`'s data, or None when it cannot be served (vanished, or failed a check)."""
+        ...
+
+    def touch(self, h: bytes) -> None: ...
+
+    def problems(self) -> list[str]: ...
+
+
+class LowerTiers:
+    """The host tier and the disk tier (either may be off) behind one set of lookups and moves."""
+
+    def __init__(
+        self,
+        host: HostTier | None,
+        disk: DiskStore | None,
+        mover: PageMover,
+        *,
+        anchored: Callable[[bytes], bool],
+        count: Callable[[EvictionKind], None],
+    ) -> None:
+        self.host = host
+        self.disk = disk
+        self._mover = mover
+        self._anchored = anchored  # whether a hash outside the host still leads to the root
+        self._count = count
+
+    # ---- lookups -------------------------------------------------------------------------
+
+    def on_host(self, h: bytes) -> bool:
+        return self.host is not None and h in self.host
+
+    def read_disk_only(self, hashes: Collection[bytes]) -> dict[bytes, Any] | None:
+        """Read the pages among `hashes` that only the disk holds (the host serves the others).
+
+        None when one failed its checks: the disk tier removed it, so a new lookup ends there.
+        """
+        out: dict[bytes, Any] = {}
+        if self.disk is None:
+            return out
+        for h in hashes:
+            if not self.on_host(h):
+                parts = self.disk.load(h)
+                if parts is None:
+                    return None
+                out[h] = parts
+        return out
+
+    # ---- bringing pages back -------------------------------------------------------------
+
+    def restore_from_host(self, h: bytes, device_page: int, clock: int) -> HostPage:
+        """Copy host page `h` into `device_page`; returns its entry (parent and tokens)."""
+        assert self.host is not None
+        entry = self.host.get(h)
+        assert entry is not None
+        self._mover.host_to_device(entry.slot, device_page)
+        self.host.touch(h, clock)
+        return entry
+
+    def restore_from_disk(self, parts: Any, device_page: int) -> None:
+        """Copy a page read from disk (`read_disk_only`) into `device_page`."""
+        self._mover.load_device(parts, device_page)
+
+    # ---- keeping pages that leave the device ---------------------------------------------
+
+    def keep(
+        self,
+        h: bytes,
+        parent: bytes,
+        tokens: tuple[int, ...],
+        device_page: int,
+        last_used: int,
+        protect: Collection[bytes],
+    ) -> None:
+        """A full indexed page leaves the device: to the host tier, else to disk, else dropped.
+
+        `protect` are host pages that must not make room now (the table is restoring them).
+        """
+        if self.host is not None:
+            if h in self.host:
+                self.host.touch(h, last_used)  # already there: no copy needed
+                self._count("device_to_host")
+                return
+            slot = self.host.put(
+                h,
+                parent,
+                tokens,
+                last_used,
+                anchored=self._anchored,
+                protect=protect,
+                before_drop=self._leaving_host,
+            )
+            if slot is not None:
+                self._mover.device_to_host(device_page, slot)
+                self._count("device_to_host")
+                return
+        if self.disk is not None and (
+            h in self.disk
+            or self.disk.save(h, parent, tokens, self._mover.snapshot_device(device_page))
+        ):
+            self._count("device_to_disk")
+            return
+        self._count("device_dropped")
+
+    def save_released(self, pages: list[tuple[bytes, bytes, tuple[int, ...], int]]) -> None:
+        """Queue the disk writes of a released sequence's full pages (hash, parent, tokens,
+        device page; the chain from its root) that disk lacks."""
+        if self.disk is None:
+            return
+        for i, (h, parent, tokens, device_page) in enumerate(pages):
+            if h in self.disk:
+                if i == 0:
+                    self.disk.touch(h)  # a tree's order of use is its root's
+                continue
+            self.disk.save(h, parent, tokens, self._mover.snapshot_device(device_page))
+
+    def _leaving_host(self, h: bytes, slot: int) -> None:
+        """A host slot is about to be reused: its page goes to disk first unless already there."""
+        assert self.host is not None
+        kept = False
+        if self.disk is not None:
+            kept = h in self.disk
+            if not kept:
+                entry = self.host.get(h)
+                assert entry is not None
+                kept = self.disk.save(
+                    h, entry.parent, entry.tokens, self._mover.snapshot_host(slot)
+                )
+        self._count("host_to_disk" if kept else "host_dropped")
+
+    # ---- checking ------------------------------------------------------------------------
+
+    def problems(self) -> list[str]:
+        return self.disk.problems() if self.disk is not None else []
