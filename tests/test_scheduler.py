@@ -41,7 +41,7 @@ def run_plan(scheduler: Scheduler) -> dict[int, int]:
 def make_scheduler(**config_fields) -> Scheduler:
     config = EngineConfig(**{"page_size": 16, "step_token_budget": 512, **config_fields})
     table = PageTable(1024, 16, root_salt("m", "float32", "native"), None, FakeMover(1024, 0, 16))
-    return Scheduler(config, table)
+    return Scheduler(config, table, max_context=1 << 20)
 
 
 def test_prefill_chunks_beside_streams_shrink_as_the_context_grows() -> None:

@@ -17,6 +17,7 @@ from kvchat.engine.events import (
     RequestFinished,
     RequestStarted,
     TokenGenerated,
+    TypeAheadProgress,
 )
 from kvchat.engine.per_tier import TIERS, PerTier
 from kvchat.engine.request import FinishReason, GenerationRequest, RequestState, SamplingParams
@@ -49,6 +50,7 @@ __all__ = [
     "SamplingParams",
     "TierPages",
     "TokenGenerated",
+    "TypeAheadProgress",
     "common_prefix",
     "hit_rate",
 ]

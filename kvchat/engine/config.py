@@ -44,7 +44,7 @@ class EngineConfig:
     # beside streams takes about this many times a decode-only step (engine/step_pacer.py;
     # the W3 runs behind the value: docs/scheduler.md).
     mixed_step_slowdown: float = 3.0
-    # A step with no stream in it (a prompt or a draft prefilling alone) is sized to take
+    # A step with no stream in it (a prompt or a type-ahead prefilling alone) is sized to take
     # about this long, from the measured prefill rate: a prompt that arrives from another
     # session waits for the step under way, and the token budget alone took 2-3 s a step on
     # a float32 CPU (docs/scheduler.md). 0: the token budget only.

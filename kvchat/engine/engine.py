@@ -1,21 +1,22 @@
 """The engine: one thread runs the step loop over the paged cache and the model.
 
-A step is schedule, run, postprocess: the scheduler picks this step's runs
-(`scheduler`, and a draft chunk from `drafts`), the model runs them as one batch
-(`batch_builder`, the paged attention), and each finished run's token is sampled,
-turned into text (`detokenize`, `stop_strings`) and streamed. A step with nothing
+A step is schedule, run, postprocess, whatever the sequences are: the scheduler picks
+this step's runs (`scheduler`: requests, and a type-ahead's chunk at background
+priority), the model runs them as one batch (`batch_builder`, the paged attention) and
+a token is sampled for each run that reached its end (`sampling`); then the scheduler
+moves every run on (text, events, states, finishes, the pacers). A step with nothing
 to run does idle housekeeping instead (`idle_housekeeping`).
 
-`submit`, `draft`, `cancel`, `prefetch`, `residency` and `stats` are safe from any thread
-and never wait for a forward pass: requests go through an inbox the step thread
-drains, and `stats()` returns the snapshot published after the last step. The
+`submit`, `type_ahead`, `cancel`, `prefetch`, `residency` and `stats` are safe from any
+thread and never wait for a forward pass: new sequences go through an inbox the step
+thread drains, and `stats()` returns the snapshot published after the last step. The
 page table is touched by the step thread only, except `residency()`, which reads
 it under a lock that the step thread holds for bookkeeping but never across a
 forward pass.
 
 `Engine` stays one class on purpose: its thread-safe API and its step loop share
-that lock, the inbox and the live requests, and a request's whole life (validated,
-admitted, computed, sampled, finished, counted in the stats) reads in one place.
+that lock and the inbox; what happens to a sequence once it is in lives in the
+scheduler.
 """
 
 from __future__ import annotations
@@ -28,30 +29,18 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
 
-import torch
-
 from kvchat.engine.attention.attention_choice import make_attention, resolve_attention
 from kvchat.engine.batch_builder import build_batch
 from kvchat.engine.config import EngineConfig
-from kvchat.engine.drafts import Draft, DraftQueue, DraftRun
-from kvchat.engine.events import (
-    DraftProgress,
-    EngineEvent,
-    PrefillProgress,
-    RequestFinished,
-    RequestStarted,
-    TokenGenerated,
-)
+from kvchat.engine.events import EngineEvent, TypeAheadProgress
 from kvchat.engine.heap_trim import HeapTrim
 from kvchat.engine.idle_housekeeping import IdleHousekeeping
 from kvchat.engine.kv_cache import build_kv_cache
-from kvchat.engine.request import FinishReason, GenerationRequest, RequestState
-from kvchat.engine.sampling import sample_next
+from kvchat.engine.request import FinishReason, GenerationRequest
+from kvchat.engine.sampling import sample_step
 from kvchat.engine.scheduler import Scheduler, StepPlan
 from kvchat.engine.sequence import Sequence
 from kvchat.engine.stats import DiskBytes, EngineStats, Residency, TierPages
-from kvchat.engine.step_pacer import StepKind
-from kvchat.engine.text_stream import token_text
 from kvchat.engine.tiers.disk_tier import DiskTier
 from kvchat.model.batch import ForwardBatch
 from kvchat.model.detokenizer import IncrementalDetokenizer
@@ -60,21 +49,15 @@ from kvchat.rate_window import RateWindow
 
 log = logging.getLogger(__name__)
 
-NON_FINITE_LOGITS = (
-    "The model produced NaN or infinite logits, so no token can be chosen. The model file "
-    "may be corrupt, or its weights overflow this dtype: try --dtype float32, or re-download "
-    "the model."
-)
 RATE_WINDOW_S = 5.0
 DECODE_TOKENS, PREFILL_TOKENS = 0, 1  # the kinds `_rates` counts
 
 
 @dataclass(frozen=True)
 class _ScheduledStep:
-    """What `_schedule` planned for one step: the runs, a draft chunk, and their batch."""
+    """What `_schedule` planned for one step: the runs, and their batch."""
 
     plan: StepPlan
-    draft: DraftRun | None
     batch: ForwardBatch
     page_lists: list[tuple[int, ...]]
 
@@ -127,20 +110,17 @@ class Engine:
         )
         if self.transformer.device.type == "cpu":
             native_build.request()  # in the background: torch's kernels serve until it loads
-        self.scheduler = Scheduler(self.config, self.table)
-        self.drafts = DraftQueue(self.config.step_token_budget)
+        self.scheduler = Scheduler(self.config, self.table, self.max_context)
         self.stop_ids = frozenset(self.tokenizer.stop_token_ids)
 
         self._lock = threading.Lock()  # guards the page table and the inbox
         self._wake = threading.Event()
         self._inbox: list[Sequence] = []
-        self._draft_inbox: list[tuple[Draft, int | None]] = []  # (draft, the one it replaces)
+        self._replaced: list[int] = []  # type-aheads that newer ones replace
         self._cancels: set[int] = set()
         self._prefetches: list[tuple[int, ...]] = []
         self._next_id = 1
-        self._seqs: dict[int, Sequence] = {}
         self._stopping = False
-        self._generated = 0
         self._rates = RateWindow(RATE_WINDOW_S, kinds=2)  # decode tokens, prefill tokens
         self._idle = IdleHousekeeping(self.store)
         self._heap = HeapTrim()
@@ -222,25 +202,38 @@ class Engine:
         self._wake.set()
         return request_id
 
-    def draft(
+    def type_ahead(
         self,
         token_ids: Seq[int],
-        on_progress: Callable[[DraftProgress], None],
+        on_progress: Callable[[TypeAheadProgress], None],
         *,
         replaces: int | None = None,
     ) -> int:
-        """Compute `token_ids` ahead at the lowest priority (see `engine/drafts.py`).
+        """Compute `token_ids` ahead at background priority, while the user is still typing
+        them (see `engine/scheduler.py`).
 
         Nothing is generated; `on_progress` hears how many tokens are computed.
-        `replaces` cancels that draft first (its computed pages stay cached);
+        `replaces` cancels that type-ahead first (its computed pages stay cached);
         `cancel` ends this one the same way.
         """
         with self._lock:
-            draft_id = self._next_id
+            seq_id = self._next_id
             self._next_id += 1
-            self._draft_inbox.append((Draft(draft_id, tuple(token_ids), on_progress), replaces))
+            if replaces is not None:
+                self._replaced.append(replaces)
+            self._inbox.append(Sequence.for_type_ahead(seq_id, tuple(token_ids), on_progress))
         self._wake.set()
-        return draft_id
+        return seq_id
+
+    def draft(
+        self,
+        token_ids: Seq[int],
+        on_progress: Callable[[TypeAheadProgress], None],
+        *,
+        replaces: int | None = None,
+    ) -> int:
+        """The old name of `type_ahead`."""
+        return self.type_ahead(token_ids, on_progress, replaces=replaces)
 
     def cancel(self, request_id: int) -> None:
         with self._lock:
@@ -297,8 +290,8 @@ class Engine:
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
         with self._lock:
-            for seq in list(self._seqs.values()):
-                self._finish(seq, FinishReason.CANCELLED)
+            for seq in list(self.scheduler.live.values()):
+                self.scheduler.finish(seq, FinishReason.CANCELLED)
 
     def step(self) -> bool:
         """Run one step: schedule, run the model, postprocess. False when there was nothing to do.
@@ -310,9 +303,9 @@ class Engine:
         if scheduled is None:
             return self._idle_step()
         started = time.monotonic()
-        logits = self._run(scheduled)
-        if logits is not None:
-            self._postprocess(scheduled, logits, started)
+        sampled = self._run(scheduled)
+        if sampled is not None:
+            self._postprocess(scheduled, sampled, started)
         self._heap.after_step(scheduled.batch.num_tokens)
         return True
 
@@ -321,49 +314,31 @@ class Engine:
         with self._lock:
             self._drain_inbox()
             plan = self.scheduler.schedule()
-            draft = self._plan_draft(plan)
-            if plan.empty and draft is None:
+            if plan.empty:
                 return None
             self._idle.work_came()
-            for seq, reservation in plan.admitted:
-                self._on_admitted(seq, reservation)
-            for seq in plan.preempted:
-                seq.state = RequestState.PREEMPTED
-            batch, page_lists = build_batch(plan, draft, self.table, self.transformer.device)
-            return _ScheduledStep(plan, draft, batch, page_lists)
+            batch, page_lists = build_batch(plan, self.table, self.transformer.device)
+            return _ScheduledStep(plan, batch, page_lists)
 
-    def _run(self, step: _ScheduledStep) -> torch.Tensor | None:
-        """The forward pass, outside the lock; on failure this step's requests fail (None)."""
+    def _run(self, step: _ScheduledStep) -> list[int | None] | None:
+        """The forward pass, outside the lock, and the tokens it gives; on failure this
+        step's sequences fail (None)."""
         try:
             self.attention.prepare(step.batch, step.page_lists)
             self.mover.wait_for_copies()  # pages restored from the host tier (CUDA)
-            return self.transformer.forward(step.batch, self.attention)
-        except Exception as exc:  # fail this step's requests, keep serving the others
+            logits = self.transformer.forward(step.batch, self.attention)
+        except Exception as exc:  # fail this step's sequences, keep serving the others
             log.exception("forward pass failed")
             with self._lock:
-                for seq, _ in step.plan.runs:
-                    self._fail(seq, f"The model failed on this request: {exc}")
-                if step.draft is not None:
-                    self.drafts.abort_step(step.draft, self.table)
+                self.scheduler.fail_step(step.plan, f"The model failed on this request: {exc}")
             return None
+        return sample_step(logits, step.plan.runs)
 
-    def _postprocess(self, step: _ScheduledStep, logits: torch.Tensor, started: float) -> None:
-        """Commit the step's K/V, sample and stream tokens, feed the pacers, publish stats."""
-        plan, draft = step.plan, step.draft
+    def _postprocess(self, step: _ScheduledStep, sampled: list[int | None], started: float) -> None:
+        """The scheduler moves every run on (tokens, events, pacers); then the stats."""
         with self._lock:
-            self._after_forward(plan, logits, started)
-            seconds = time.monotonic() - started
-            tokens = sum(n for _, n in plan.runs)
-            if draft is None:
-                self.scheduler.pacer.observe(plan.kind, seconds, tokens)
-            else:
-                self.drafts.finish_step(draft, self.table)
-                self._rates.add_to_last(PREFILL_TOKENS, draft.n)
-                if plan.runs:  # beside decodes: what the draft chunk cost the streams
-                    decode_s = self.scheduler.pacer.decode_step_s
-                    self.drafts.pacer.observe(seconds, decode_s, draft.n)
-                else:  # alone: a prefill step like a prompt's, for the same time bound
-                    self.scheduler.pacer.observe(StepKind.PREFILL, seconds, draft.n)
+            done = self.scheduler.postprocess(step.plan, sampled, started)
+            self._rates.add(done.ended, done.decode_tokens, done.prefill_tokens, started=started)
             self._publish_stats()
 
     def _idle_step(self) -> bool:
@@ -371,7 +346,7 @@ class Engine:
         with self._lock:
             stuck = self.scheduler.unfittable()
             if stuck is not None:
-                self._fail(stuck, self._out_of_cache_message(stuck))
+                self.scheduler.finish(stuck, FinishReason.ERROR, self._out_of_cache_message(stuck))
                 return True
             if self._idle.defragment_slice(self.table, running=bool(self.scheduler.running)):
                 self._publish_stats()  # more may be left: come back after a look at the inbox
@@ -408,43 +383,15 @@ class Engine:
             "last message, or fork at an earlier one)."
         )
 
-    def _plan_draft(self, plan: StepPlan) -> DraftRun | None:
-        """A draft chunk for this step, if drafts may run beside what the plan holds."""
-        running = self.scheduler.running
-        return self.drafts.plan(
-            self.table,
-            prompts_pending=bool(self.scheduler.waiting) or plan.decodes < len(plan.runs),
-            decodes=plan.decodes,
-            slots_free=self.config.max_batch - len(running),
-            decode_step_s=self.scheduler.pacer.decode_step_s,
-            idle_budget=self.scheduler.pacer.prefill_tokens(self.config.step_token_budget),
-        )
-
     def _drain_inbox(self) -> None:
         for seq in self._inbox:
-            self._seqs[seq.id] = seq
-            seq.emit(RequestStarted(seq.id, time.monotonic()))
-            problem = self._validate(seq)
-            if problem:
-                self._fail(seq, problem)
-            else:
-                self.scheduler.add(seq)
+            self.scheduler.add(seq, problem=self._validate(seq))
         self._inbox.clear()
-        for draft, replaces in self._draft_inbox:
-            if replaces is not None:
-                self.drafts.cancel(replaces)
-            problem = self._validate_tokens(draft.tokens)
-            if problem:  # a draft is only a guess: the turn will report the problem
-                log.info("draft %d dropped: %s", draft.id, problem)
-            else:
-                self.drafts.add(draft)
-        self._draft_inbox.clear()
-        for request_id in self._cancels:
-            seq = self._seqs.get(request_id)
-            if seq is not None:
-                self._finish(seq, FinishReason.CANCELLED)
-            else:
-                self.drafts.cancel(request_id)
+        for seq_id in self._replaced:
+            self.scheduler.cancel(seq_id, type_ahead_only=True)
+        self._replaced.clear()
+        for seq_id in self._cancels:
+            self.scheduler.cancel(seq_id)
         self._cancels.clear()
         for tokens in self._prefetches:
             self.table.prefetch(tokens)
@@ -469,126 +416,10 @@ class Engine:
             return self._prompt_too_big_message(n)
         return None
 
-    def _on_admitted(self, seq: Sequence, reservation) -> None:
-        if not seq.admitted:
-            seq.admitted = True
-            seq.cached = reservation.cached
-            seq.prefilled_tokens = len(seq.tokens) - reservation.cached_tokens
-            seq.draft_tokens = reservation.cached_draft
-        else:
-            seq.recomputed_tokens += len(seq.tokens) - reservation.cached_tokens
-        seq.state = (
-            RequestState.PREFILLING
-            if seq.to_compute > 1 or not seq.generated_ids
-            else RequestState.DECODING
-        )
-
-    def _after_forward(self, plan: StepPlan, logits: torch.Tensor, started: float) -> None:
-        now = time.monotonic()
-        logits = logits.cpu()
-        all_finite = bool(torch.isfinite(logits).all())  # one check a step; per row only if not
-        row = 0
-        decode_tokens = prefill_tokens = 0
-        for seq, n in plan.runs:
-            start = seq.num_computed
-            self.table.commit(seq.id, seq.tokens[start : start + n])
-            seq.num_computed += n
-            if n > 1 or not seq.generated_ids:
-                prefill_tokens += n
-            else:
-                decode_tokens += n
-            if seq.num_computed < len(seq.tokens):
-                seq.state = RequestState.PREFILLING
-                seq.emit(PrefillProgress(seq.id, seq.num_computed, seq.prompt_len, now))
-                continue
-            if not all_finite and not bool(torch.isfinite(logits[row]).all()):
-                row += 1
-                self._fail(seq, NON_FINITE_LOGITS)
-                continue
-            token = sample_next(logits[row], seq.request.sampling, seq.generator, seq.tokens)
-            row += 1
-            self._append_token(seq, token, now)
-        self._rates.add(now, decode_tokens, prefill_tokens, started=started)
-        for seq in list(self.scheduler.running):
-            if (
-                seq.since_admission >= self.config.max_rq_tokens
-                and seq.num_computed % self.config.page_size == 0
-                and self.scheduler.waiting
-            ):
-                self.scheduler.requeue(seq)
-
-    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
-        seq.tokens.append(token)
-        seq.since_admission += 1
-        self._generated += 1
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.state = RequestState.DECODING
-        reason = None
-        if token in seq.stop_ids:
-            reason = FinishReason.STOP
-        elif (
-            len(seq.generated_ids) >= seq.request.max_tokens or len(seq.tokens) >= self.max_context
-        ):
-            reason = FinishReason.LENGTH
-        text, hit_stop = token_text(seq, token, final=reason is not None)
-        if text:
-            seq.text += text
-        seq.emit(TokenGenerated(seq.id, text, (token,), now))
-        if hit_stop:
-            reason = FinishReason.STOP
-        if reason is not None:
-            self._finish(seq, reason)
-
     def _fail_all(self, message: str) -> None:
         """Finish every live request with an error, so no caller waits forever after a bug."""
         with self._lock:
-            try:
-                self.drafts.release_all(self.table)
-            except Exception:
-                log.exception("releasing drafts after an engine error")
-            for seq in list(self._seqs.values()):
-                try:
-                    self._fail(seq, message)
-                except Exception:  # the table itself may be what broke: still tell the caller
-                    log.exception("failing a request after an engine error")
-                    self._seqs.pop(seq.id, None)
-
-    def _fail(self, seq: Sequence, message: str) -> None:
-        self._finish(seq, FinishReason.ERROR, message)
-
-    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
-        if seq.state == RequestState.FINISHED:
-            return
-        self.scheduler.remove(seq)
-        self._seqs.pop(seq.id, None)
-        seq.state = RequestState.FINISHED
-        now = time.monotonic()
-        generated = seq.generated_ids
-        ttft = None if seq.first_token_time is None else seq.first_token_time - seq.submit_time
-        decode_rate = None
-        if seq.first_token_time is not None and len(generated) > 1 and now > seq.first_token_time:
-            decode_rate = (len(generated) - 1) / (now - seq.first_token_time)
-        if reason == FinishReason.CANCELLED or reason == FinishReason.ERROR:
-            seq.text += seq.pending_text
-            seq.pending_text = ""
-        seq.emit(
-            RequestFinished(
-                request_id=seq.id,
-                reason=reason,
-                prompt_tokens=seq.prompt_len if seq.admitted else 0,
-                cached_tokens=seq.cached,
-                prefilled_tokens=seq.prefilled_tokens,
-                recomputed_tokens=seq.recomputed_tokens,
-                generated_ids=tuple(generated),
-                text=seq.text,
-                ttft_s=ttft,
-                decode_tok_s=decode_rate,
-                time=now,
-                error=error,
-                draft_tokens=seq.draft_tokens,
-            )
-        )
+            self.scheduler.fail_all(message)
 
     def _publish_stats(self) -> None:
         now = time.monotonic()
@@ -603,19 +434,15 @@ class Engine:
             pages = replace(pages, disk=TierPages(d.capacity_pages, 0, d.pages, free))
             counters = counters.evicted(disk_dropped=d.dropped)
             disk_bytes, notice = DiskBytes(d.capacity_bytes, d.used_bytes), d.notice
-        states: dict[str, int] = {s.value: 0 for s in RequestState if s != RequestState.FINISHED}
-        for seq in self._seqs.values():
-            if seq.state != RequestState.FINISHED:
-                states[seq.state.value] += 1
         self._stats = EngineStats(
             cache=counters,
-            generated_tokens=self._generated,
+            generated_tokens=self.scheduler.generated_tokens,
             pages=pages,
             disk_bytes=disk_bytes,
             disk_notice=notice,
-            requests=states,
+            requests=self.scheduler.request_states(),
             preemptions=self.scheduler.preemptions,
-            drafts=len(self.drafts),
+            drafts=len(self.scheduler.type_aheads),
             decode_tok_s=decode_rate,
             prefill_tok_s=prefill_rate,
             page_size=self.config.page_size,

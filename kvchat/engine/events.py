@@ -69,7 +69,8 @@ class RequestFinished:
     decode_tok_s: float | None
     time: float
     error: str | None = None
-    # prompt tokens served from pages that drafts computed (also counted in cached_tokens)
+    # prompt tokens served from pages that type-aheads computed (also in cached_tokens); the
+    # name is the headless `reply` event's
     draft_tokens: int = 0
 
     @property
@@ -78,17 +79,27 @@ class RequestFinished:
 
 
 @dataclass(frozen=True)
-class DraftProgress:
-    """How much of a draft (type-ahead prefill) is in the cache: sent as it grows."""
+class TypeAheadProgress:
+    """How much of a type-ahead (a prompt computed while it is typed) is in the cache: sent
+    as it grows."""
 
-    draft_id: int
-    ready_tokens: int  # the draft's tokens whose K/V is computed (or was found cached)
+    type_ahead_id: int
+    ready_tokens: int  # its tokens whose K/V is computed (or was found cached)
     total_tokens: int
     time: float
 
     @property
     def done(self) -> bool:
         return self.ready_tokens >= self.total_tokens
+
+    @property
+    def draft_id(self) -> int:
+        """The old name of `type_ahead_id`."""
+        return self.type_ahead_id
+
+
+DraftProgress = TypeAheadProgress
+"""The old name of `TypeAheadProgress`."""
 
 
 EngineEvent = RequestStarted | PrefillProgress | TokenGenerated | RequestFinished

@@ -10,7 +10,34 @@ from collections.abc import Sequence
 
 import torch
 
+from kvchat.engine import sequence
 from kvchat.engine.request import SamplingParams
+
+NON_FINITE_LOGITS = (
+    "The model produced NaN or infinite logits, so no token can be chosen. The model file "
+    "may be corrupt, or its weights overflow this dtype: try --dtype float32, or re-download "
+    "the model."
+)
+
+
+def sample_step(
+    logits: torch.Tensor,  # [rows, vocab]: one row per run that ends in a token to sample
+    runs: Sequence[tuple[sequence.Sequence, int]],
+) -> list[int | None]:
+    """A step's sampled tokens, one per logits row in the runs' order; None where the row
+    is not finite (that request fails, `NON_FINITE_LOGITS`, the others go on)."""
+    logits = logits.cpu()
+    all_finite = bool(torch.isfinite(logits).all())  # one check a step; per row only if not
+    sampled: list[int | None] = []
+    for seq, n in runs:
+        if not seq.samples_after(n):
+            continue
+        row = logits[len(sampled)]
+        if not all_finite and not bool(torch.isfinite(row).all()):
+            sampled.append(None)
+            continue
+        sampled.append(sample_next(row, seq.request.sampling, seq.generator, seq.tokens))
+    return sampled
 
 
 def apply_repetition_penalty(

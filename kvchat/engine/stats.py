@@ -70,7 +70,7 @@ class EngineStats:
     disk_notice: str | None = None  # why the disk tier stopped writing, once it has
     requests: dict[str, int] = field(default_factory=dict)  # RequestState value -> count
     preemptions: int = 0
-    drafts: int = 0  # drafts waiting to be computed
+    drafts: int = 0  # type-aheads waiting to be computed (named as the stats event names it)
     decode_tok_s: float = 0.0  # over the last few seconds
     prefill_tok_s: float = 0.0
     page_size: int = 0

@@ -53,8 +53,8 @@ class CacheCounters:
     cached_tokens: CachedTokens = field(default_factory=CachedTokens)  # served, per tier
     prefilled_tokens: int = 0  # prompt tokens that had to be computed
     recomputed_tokens: int = 0  # tokens computed again for preempted or requeued sequences
-    draft_tokens: int = 0  # tokens drafts computed (never in prompt_tokens or prefilled_tokens)
-    draft_reused_tokens: int = 0  # prompt tokens served from pages drafts computed (in cached)
+    draft_tokens: int = 0  # tokens type-aheads computed (not in prompt_ or prefilled_tokens)
+    draft_reused_tokens: int = 0  # prompt tokens served from type-aheads' pages (in cached)
     evictions: Evictions = field(default_factory=Evictions)
     # device pages with no host room that were kept on disk: the page table's own figure,
     # not part of the engine's `evictions` (whose fields the stats event fixes)

@@ -1,16 +1,16 @@
-"""The draft pacer: chunks beside streams kept within a step-time allowance, or none at all."""
+"""The type-ahead pacer: chunks beside streams kept within a step-time allowance, or none at all."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvchat.engine.draft_pacer import FORGET_AFTER, LIMIT, REFRESH_EVERY, DraftPacer
+from kvchat.engine.type_ahead_pacer import FORGET_AFTER, LIMIT, REFRESH_EVERY, TypeAheadPacer
 
 DECODE = 0.020  # a decode-only step, seconds
 
 
-def drive(pacer: DraftPacer, cost: Callable[[int], float], steps: int) -> list[int]:
-    """Chunks the pacer gives when a step carrying n draft tokens takes `cost(n)` seconds."""
+def drive(pacer: TypeAheadPacer, cost: Callable[[int], float], steps: int) -> list[int]:
+    """Chunks the pacer gives when a step carrying n type-ahead tokens takes `cost(n)` seconds."""
     chunks = []
     for _ in range(steps):
         n = pacer.chunk(DECODE)
@@ -24,12 +24,12 @@ def linear(per_token: float) -> Callable[[int], float]:
     return lambda n: DECODE + n * per_token
 
 
-def test_no_draft_beside_streams_before_their_pace_is_known() -> None:
-    assert DraftPacer().chunk(None) == 0
+def test_no_type_ahead_beside_streams_before_their_pace_is_known() -> None:
+    assert TypeAheadPacer().chunk(None) == 0
 
 
 def test_cheap_tokens_grow_the_chunk_by_doubling_then_settle_below_the_limit() -> None:
-    pacer = DraftPacer()
+    pacer = TypeAheadPacer()
     chunks = drive(pacer, linear(0.0001), steps=60)  # 1.05x at 10 tokens, 1.10x at 20
     assert [n for n in chunks if n][:5] == [1, 2, 4, 8, 16]
     late = [n for n in chunks[30:] if n]
@@ -37,13 +37,13 @@ def test_cheap_tokens_grow_the_chunk_by_doubling_then_settle_below_the_limit() -
 
 
 def test_a_decode_only_step_comes_now_and_then() -> None:
-    chunks = drive(DraftPacer(), linear(0.0001), steps=4 * REFRESH_EVERY)
+    chunks = drive(TypeAheadPacer(), linear(0.0001), steps=4 * REFRESH_EVERY)
     assert chunks.count(0) >= 4
 
 
 def test_one_token_rides_along_when_two_take_the_prefill_path() -> None:
-    # one draft token is one more decode row; two are a prefill run costing 3x a step
-    pacer = DraftPacer()
+    # one type-ahead token is one more decode row; two are a prefill run costing 3x a step
+    pacer = TypeAheadPacer()
     chunks = drive(pacer, lambda n: DECODE * (1.02 if n == 1 else 3.0), steps=3 * FORGET_AFTER)
     over = sum(1 for n in chunks if n >= 2)
     assert over <= 4  # retried once per FORGET_AFTER steps: too rare for a p99 to see
@@ -51,7 +51,7 @@ def test_one_token_rides_along_when_two_take_the_prefill_path() -> None:
 
 
 def test_tokens_costlier_than_the_limit_wait_and_are_retried_rarely() -> None:
-    pacer = DraftPacer()
+    pacer = TypeAheadPacer()
     chunks = drive(pacer, lambda n: DECODE * (LIMIT + 0.2), steps=3 * FORGET_AFTER)
     carried = sum(1 for n in chunks if n)
     assert 1 <= carried <= 4
@@ -59,7 +59,7 @@ def test_tokens_costlier_than_the_limit_wait_and_are_retried_rarely() -> None:
 
 
 def test_a_chunk_that_became_too_large_shrinks() -> None:
-    pacer = DraftPacer()
+    pacer = TypeAheadPacer()
     drive(pacer, linear(0.0001), steps=40)
     assert pacer.good >= 8
     chunks = drive(pacer, linear(0.001), steps=40)  # the context grew: 10x the cost a token

@@ -1,10 +1,10 @@
-"""How many draft tokens a step may carry beside running streams, learned from step times.
+"""How many type-ahead tokens a step may carry beside running streams, learned from step times.
 
-A draft is a guess at a prompt the user has not sent yet, so the streams must not
-pay for it: a step that carries a draft chunk beside decodes should take at most
+A type-ahead is a guess at a prompt the user has not sent yet, so the streams must not
+pay for it: a step that carries a type-ahead chunk beside decodes should take at most
 `TARGET` times a decode-only step, and one that takes more than `LIMIT` times it
 counts as a failure. The streams' inter-token latency then rises by at most that much
-however many steps carry drafts (a percentile moves only when slow steps are common).
+however many steps carry type-aheads (a percentile moves only when slow steps are common).
 
 Why not a cost model linear in the chunk's length: the cost is not linear. A
 one-token chunk beside decodes is one more decode row; from two tokens on, the chunk
@@ -15,21 +15,21 @@ the smallest seen over the limit (`bad`), doubles `good` while nothing is known 
 it, then tries between the two. A `bad` is forgotten after `FORGET_AFTER` decode
 steps (the context, the streams or the machine change), so at most one step in that
 many exceeds the limit, too few to show in a 99th percentile. When even one token
-exceeds it, drafts wait while streams run until the next such retry.
+exceeds it, type-aheads wait while streams run until the next such retry.
 """
 
 from __future__ import annotations
 
-# A draft step should take at most this many times a decode-only step, and one that
+# A type-ahead step should take at most this many times a decode-only step, and one that
 # takes more than LIMIT times counts as too large (the bar is 10% on the streams' p99).
 TARGET = 1.05
 LIMIT = 1.10
 FORGET_AFTER = 200  # decode steps after which a chunk found too large is tried again
 MAX_CHUNK = 256
-REFRESH_EVERY = 8  # every this many decode steps, one carries no draft (see `chunk`)
+REFRESH_EVERY = 8  # every this many decode steps, one carries no type-ahead (see `chunk`)
 
 
-class DraftPacer:
+class TypeAheadPacer:
     def __init__(self, target: float = TARGET, limit: float = LIMIT) -> None:
         self.target = target
         self.limit = limit
@@ -39,7 +39,7 @@ class DraftPacer:
         self._steps = 0
 
     def chunk(self, decode_step_s: float | None) -> int:
-        """Draft tokens the next decode step may carry (0: drafts wait this step)."""
+        """Type-ahead tokens the next decode step may carry (0: type-aheads wait this step)."""
         if decode_step_s is None:
             return 0  # the streams' own pace is not known yet
         self._steps += 1
@@ -56,7 +56,7 @@ class DraftPacer:
         return max(self.good, min(2 * self.good, (self.good + self.bad) // 2))
 
     def observe(self, seconds: float, decode_step_s: float | None, tokens: int) -> None:
-        """Account one step that carried `tokens` draft tokens beside decodes."""
+        """Account one step that carried `tokens` type-ahead tokens beside decodes."""
         if decode_step_s is None or decode_step_s <= 0 or tokens <= 0:
             return
         ratio = seconds / decode_step_s
