@@ -261,7 +261,7 @@ class Scheduler:
             seq.admitted = True
             seq.cached = reservation.cached
             seq.prefilled_tokens = len(seq.tokens) - reservation.cached_tokens
-            seq.type_ahead_tokens = reservation.cached_draft
+            seq.type_ahead_tokens = reservation.cached_type_ahead
         else:
             seq.recomputed_tokens += len(seq.tokens) - reservation.cached_tokens
         seq.state = (
@@ -291,7 +291,7 @@ class Scheduler:
                 self.finish(seq, FinishReason.STOP)
                 continue
             end = min(len(seq.tokens), seq.num_computed + budget)
-            reservation = self.table.reserve(seq.id, seq.tokens[:end], count_as="draft")
+            reservation = self.table.reserve(seq.id, seq.tokens[:end], count_as="type_ahead")
             if reservation is None:
                 return  # no room even for a chunk: try again next step
             # pages evicted since the last chunk are computed again, within the budget

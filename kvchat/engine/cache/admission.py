@@ -50,7 +50,7 @@ class Admission:
 
 def plan_admission(
     tokens: tuple[int, ...],
-    is_draft: bool,
+    is_type_ahead: bool,
     *,
     salt: bytes,
     index: PrefixIndex,
@@ -65,8 +65,8 @@ def plan_admission(
     to make room. Changes nothing but the disk tier (a page that fails its checks).
     """
     n, ps = len(tokens), index.page_size
-    # ceil((n + 1) / ps): the prompt plus one generated token; a draft generates none
-    total_pages = -(-n // ps) if is_draft else n // ps + 1
+    # ceil((n + 1) / ps): the prompt plus one generated token; a type-ahead generates none
+    total_pages = -(-n // ps) if is_type_ahead else n // ps + 1
     while True:
         walk = index.walk(tokens, n - 1, salt, tiers.host, host_tail=True, disk=tiers.disk)
         device_hits = [p for _, p in walk.chain if p is not None]

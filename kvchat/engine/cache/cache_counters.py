@@ -66,7 +66,7 @@ class CacheCounters:
         return hit_rate(self.cached_tokens.total, self.prompt_tokens)
 
     def prompt_admitted(
-        self, tokens: int, cached: CachedTokens, draft_reused: int
+        self, tokens: int, cached: CachedTokens, type_ahead_reused: int
     ) -> CacheCounters:
         """A turn's prompt of `tokens` tokens was admitted, `cached` of them served by tiers."""
         had = self.cached_tokens
@@ -79,7 +79,7 @@ class CacheCounters:
                 (had.disk or 0) + (cached.disk or 0),
             ),
             prefilled_tokens=self.prefilled_tokens + tokens - cached.total,
-            draft_reused_tokens=self.draft_reused_tokens + draft_reused,
+            draft_reused_tokens=self.draft_reused_tokens + type_ahead_reused,
         )
 
     def plus(self, **counts: int) -> CacheCounters:

@@ -6,10 +6,10 @@ Eviction order, when the free list is empty:
 2. Orphaned chains: cached pages whose parent hash is in neither tier (and
    their descendants). A lookup walks chains from the root, so these can never
    be matched again; keeping them only costs space.
-3. Pages that only drafts computed and no turn has used yet: a draft is a guess
+3. Pages that only type-aheads computed and no turn has used yet: a type-ahead is a guess
    at a message not sent, so it goes before anything a conversation used. Among
-   them, the trees' order below, deepest first (a draft's chain stays a prefix).
-   Pages a draft found in the cache keep their place.
+   them, the trees' order below, deepest first (a type-ahead's chain stays a prefix).
+   Pages a type-ahead found in the cache keep their place.
 4. Whole trees, least-recently-used root first, deepest page first.
 
 Why not something simpler: plain per-page LRU evicts a conversation's *first*
@@ -71,7 +71,8 @@ def eviction_order(
         assert page.parent is not None
         above = _resolve(page.parent, memo, pages, index, host)
         depth = above.depth + 1
-        rank = 1 if page.draft_from == 0 else 2  # only a draft's guess, or a conversation's
+        # only a type-ahead's guess, or a conversation's
+        rank = 1 if page.type_ahead_from == 0 else 2
         if above.orphan:
             keyed.append((0, 0, b"", -depth, p))
         elif above.root_clock is None:  # this page is its tree's root

@@ -10,7 +10,7 @@ from __future__ import annotations
 class Page:
     """Mutable state of one device page."""
 
-    __slots__ = ("draft_from", "hash", "index", "last_used", "parent", "refcount", "tokens")
+    __slots__ = ("hash", "index", "last_used", "parent", "refcount", "tokens", "type_ahead_from")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -19,16 +19,16 @@ class Page:
         self.tokens: list[int] = []  # len(tokens) is the number of filled slots
         self.refcount = 0
         self.last_used = 0
-        # slots from here on were computed by a draft and no turn has used them yet (a guess)
-        self.draft_from: int | None = None
+        # slots from here on were computed by a type-ahead and no turn has used them yet (a guess)
+        self.type_ahead_from: int | None = None
 
 
 class SeqPages:
     """The pages of one live sequence, in order, and how many of its tokens are written."""
 
-    __slots__ = ("draft", "num_tokens", "pages")
+    __slots__ = ("num_tokens", "pages", "type_ahead")
 
-    def __init__(self, pages: list[int], num_tokens: int, draft: bool = False) -> None:
+    def __init__(self, pages: list[int], num_tokens: int, type_ahead: bool = False) -> None:
         self.pages = pages
         self.num_tokens = num_tokens  # tokens whose K/V is written
-        self.draft = draft  # a draft's pages: what it writes is marked as a guess
+        self.type_ahead = type_ahead  # a type-ahead's pages: what it writes is marked as a guess

@@ -52,7 +52,7 @@ class PageTable:
     """Device pages of one KV pool: allocation, prefix sharing, eviction, lower tiers, defrag.
 
     When no page is free, cached pages are evicted in the order `eviction` gives
-    (orphans, pages only drafts computed, then whole trees by least-recently-used
+    (orphans, pages only type-aheads computed, then whole trees by least-recently-used
     root, deepest page first). Evicting a full indexed page hands it to the lower
     tiers (`LowerTiers.keep`: the host tier, else disk); a partial page is dropped.
     Referenced pages are never victims. A released sequence's full pages go to disk too.
@@ -101,7 +101,7 @@ class PageTable:
         seq_id: int,
         token_ids: Sequence[int],
         *,
-        count_as: Literal["prompt", "recompute", "draft"],
+        count_as: Literal["prompt", "recompute", "type_ahead"],
     ) -> Reservation | None:
         """Admit a sequence whose K/V must cover `token_ids`; None (no change) if it cannot fit.
 
@@ -110,22 +110,24 @@ class PageTable:
         matched hash is reused as the tail. At most `len(token_ids) - 1` tokens count as
         cached: the engine must compute at least the last one to get its logits.
 
-        A draft (`count_as="draft"`) gets no slot for a generated token, counts in no
-        prompt counter, and marks what it writes as a draft's (`commit`); a prompt's
-        reservation takes such pages over as its own and counts them in `cached_draft`.
+        A type-ahead (`count_as="type_ahead"`) gets no slot for a generated token, counts in no
+        prompt counter, and marks what it writes as a type-ahead's (`commit`); a prompt's
+        reservation takes such pages over as its own and counts them in `cached_type_ahead`.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already live")
-        if count_as not in ("prompt", "recompute", "draft"):
-            raise ValueError(f"count_as must be 'prompt', 'recompute' or 'draft', got {count_as!r}")
-        is_draft = count_as == "draft"
+        if count_as not in ("prompt", "recompute", "type_ahead"):
+            raise ValueError(
+                f"count_as must be 'prompt', 'recompute' or 'type_ahead', got {count_as!r}"
+            )
+        is_type_ahead = count_as == "type_ahead"
         tokens = tuple(map(int, token_ids))
         n = len(tokens)
         if n == 0:
             raise ValueError("a sequence needs at least one token")
         plan = plan_admission(
             tokens,
-            is_draft,
+            is_type_ahead,
             salt=self.salt,
             index=self._index,
             tiers=self._tiers,
@@ -137,10 +139,10 @@ class PageTable:
         walk, ps = plan.walk, self.page_size
         self._clock += 1
         clock = self._clock
-        cached_draft = 0
+        cached_type_ahead = 0
         for p in plan.device_hits:  # pinned first: making room below never evicts them
-            if not is_draft:
-                cached_draft += self._take_from_draft(p, ps)
+            if not is_type_ahead:
+                cached_type_ahead += self._take_from_type_ahead(p, ps)
             self._ref(p, clock)
         if plan.takeover:
             self._cached.discard(plan.after)  # this sequence extends it in place
@@ -171,12 +173,12 @@ class PageTable:
             parent = h
         reused_tail = 0
         if walk.tail_len:
-            p, reused_tail, tail_host, tail_draft = self._reserve_tail(
-                plan, fresh, tokens[len(pages) * ps :], parent, clock, is_draft
+            p, reused_tail, tail_host, tail_type_ahead = self._reserve_tail(
+                plan, fresh, tokens[len(pages) * ps :], parent, clock, is_type_ahead
             )
             on_device += reused_tail
             on_host += tail_host
-            cached_draft += tail_draft
+            cached_type_ahead += tail_type_ahead
             pages.append(p)
         for p in fresh:  # the pages to compute
             self._pages[p].refcount = 1
@@ -184,12 +186,12 @@ class PageTable:
             pages.append(p)
 
         found = CachedTokens(on_device, on_host, on_disk)
-        self._seqs[seq_id] = SeqPages(pages, found.total, is_draft)
+        self._seqs[seq_id] = SeqPages(pages, found.total, is_type_ahead)
         if count_as == "prompt":
-            self._counters = self._counters.prompt_admitted(n, found, cached_draft)
+            self._counters = self._counters.prompt_admitted(n, found, cached_type_ahead)
         elif count_as == "recompute":
             self._counters = self._counters.plus(recomputed_tokens=n - found.total)
-        return Reservation(seq_id, tuple(pages), found, reused_tail, found.total, cached_draft)
+        return Reservation(seq_id, tuple(pages), found, reused_tail, found.total, cached_type_ahead)
 
     def _reserve_tail(
         self,
@@ -198,33 +200,33 @@ class PageTable:
         rest: tuple[int, ...],
         parent: bytes,
         clock: int,
-        is_draft: bool,
+        is_type_ahead: bool,
     ) -> tuple[int, int, int, int]:
         """Reuse the walk's tail: extend the cached partial page, copy its tokens into a fresh
         page, or restore a host page's first tokens. `rest` are the tokens after the full
-        pages. Returns the page and its tokens from the device, from the host, from drafts."""
+        pages. Returns the page and its tokens from the device, from the host, from type-aheads."""
         walk = plan.walk
         m = walk.tail_len
         p = walk.tail_src if plan.takeover else next(fresh)
         assert p is not None
         page = self._pages[p]
-        on_device = on_host = drafted = 0
+        on_device = on_host = from_type_ahead = 0
         if plan.takeover:
             page.last_used = clock  # already holds exactly the matched tokens
             on_device = m
-            if not is_draft:
-                drafted = self._take_from_draft(p, m)
+            if not is_type_ahead:
+                from_type_ahead = self._take_from_type_ahead(p, m)
         elif walk.tail_src is not None:
             src = self._pages[walk.tail_src]
             self._mover.copy_tokens(walk.tail_src, p, m)
             page.tokens = src.tokens[:m]
             src.last_used = clock
             on_device = m
-            guessed = src.draft_from is not None and src.draft_from < m
-            if guessed and is_draft:  # the copy is as much a guess as its source
-                page.draft_from = src.draft_from
+            guessed = src.type_ahead_from is not None and src.type_ahead_from < m
+            if guessed and is_type_ahead:  # the copy is as much a guess as its source
+                page.type_ahead_from = src.type_ahead_from
             elif guessed:
-                drafted = m - (src.draft_from or 0)
+                from_type_ahead = m - (src.type_ahead_from or 0)
         else:
             assert walk.tail_host is not None
             self._tiers.restore_from_host(walk.tail_host, p, clock)
@@ -234,7 +236,7 @@ class PageTable:
         self._index.add_child(parent, p)
         page.refcount = 1
         page.last_used = clock
-        return p, on_device, on_host, drafted
+        return p, on_device, on_host, from_type_ahead
 
     def ensure_capacity(self, seq_id: int, total_tokens: int) -> bool:
         """Give the sequence slots for `total_tokens` tokens; False (no change) if impossible."""
@@ -268,7 +270,7 @@ class PageTable:
                 f"{len(seq.pages) * ps} slots are allocated (call ensure_capacity first)"
             )
         self._clock += 1
-        if seq.draft:
+        if seq.type_ahead:
             self._counters = self._counters.plus(draft_tokens=len(token_ids))
         done = 0
         while done < len(token_ids):
@@ -282,8 +284,8 @@ class PageTable:
                 page.parent = parent
                 self._index.add_child(parent, p)
             take = min(ps - pos % ps, len(token_ids) - done)
-            if seq.draft and page.draft_from is None:
-                page.draft_from = len(page.tokens)
+            if seq.type_ahead and page.type_ahead_from is None:
+                page.type_ahead_from = len(page.tokens)
             page.tokens.extend(token_ids[done : done + take])
             page.last_used = self._clock
             done += take
@@ -300,7 +302,7 @@ class PageTable:
         if seq is None:
             raise ValueError(f"sequence {seq_id} is not live")
         self._clock += 1
-        if self.disk is not None and not seq.draft:  # a draft's pages are guesses: not kept
+        if self.disk is not None and not seq.type_ahead:  # a type-ahead's guesses: not kept
             self._tiers.save_released(self._indexed_chain(seq.pages))
         for p in reversed(seq.pages):
             page = self._pages[p]
@@ -540,15 +542,16 @@ class PageTable:
         page.parent = None
         page.tokens = []
         page.last_used = 0
-        page.draft_from = None
+        page.type_ahead_from = None
 
-    def _take_from_draft(self, p: int, matched: int) -> int:
-        """A turn uses page `p`'s first `matched` slots: no longer a guess. Returns draft tokens."""
+    def _take_from_type_ahead(self, p: int, matched: int) -> int:
+        """A turn uses page `p`'s first `matched` slots: no longer a guess. Returns the
+        type-ahead's tokens among them."""
         page = self._pages[p]
-        start = page.draft_from
+        start = page.type_ahead_from
         if start is None:
             return 0
-        page.draft_from = None
+        page.type_ahead_from = None
         return max(0, matched - start)
 
     def _ref(self, p: int, clock: int) -> None:

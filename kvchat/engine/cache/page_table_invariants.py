@@ -71,8 +71,9 @@ def page_table_problems(
             out.append(f"page {p}: last_used {page.last_used} is after the clock")
         if p in free and (page.tokens or page.hash is not None or page.parent is not None):
             out.append(f"free page {p} still has content")
-        if page.draft_from is not None and not 0 <= page.draft_from < max(1, len(page.tokens)):
-            out.append(f"page {p}: draft_from {page.draft_from} is outside its tokens")
+        guess_from = page.type_ahead_from
+        if guess_from is not None and not 0 <= guess_from < max(1, len(page.tokens)):
+            out.append(f"page {p}: type_ahead_from {guess_from} is outside its tokens")
         if p in cached and not page.tokens:
             out.append(f"cached page {p} holds no tokens")
         if not page.tokens:

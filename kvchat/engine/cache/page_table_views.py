@@ -31,7 +31,8 @@ class Reservation:
     cached: CachedTokens
     reused_tail: int  # tokens copied from a partial (or capped full) page; part of cached.device
     to_compute_from: int  # == cached.total
-    cached_draft: int = 0  # of cached.device: tokens that drafts computed and no turn had used
+    # of cached.device: tokens that type-aheads computed and no turn had used
+    cached_type_ahead: int = 0
 
     @property
     def cached_tokens(self) -> int:
@@ -49,7 +50,8 @@ class PageInfo:
     refcount: int
     last_used: int
     indexed: bool  # matchable by hash (a full page computed twice keeps one copy indexed)
-    draft_from: int | None = None  # slots from here on a draft computed and no turn used yet
+    # slots from here on a type-ahead computed and no turn used yet
+    type_ahead_from: int | None = None
 
     @classmethod
     def of(cls, page: Page, *, indexed: bool) -> PageInfo:
@@ -61,7 +63,7 @@ class PageInfo:
             page.refcount,
             page.last_used,
             indexed,
-            page.draft_from,
+            page.type_ahead_from,
         )
 
 
