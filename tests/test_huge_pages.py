@@ -10,8 +10,8 @@ import torch
 
 from kvchat.engine.tiers.kv_store import DeviceKVStore
 from kvchat.model import huge_pages
+from kvchat.model.linear import slot_names
 from kvchat.model.loader import load_model
-from kvchat.model.transformer import _slots
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
 
@@ -72,7 +72,7 @@ def test_the_models_linear_layers_share_one_arena(tmp_path):
     t = model.transformer
     storages = set()
     for linear in t._linears():
-        for name in _slots(type(linear)):
+        for name in slot_names(type(linear)):
             x = getattr(linear, name, None)
             if isinstance(x, torch.Tensor) and x.data_ptr() != t.embed.data_ptr():
                 storages.add(x.untyped_storage().data_ptr())

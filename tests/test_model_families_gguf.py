@@ -127,20 +127,26 @@ def test_a_4_bit_gguf_keeps_its_layers_4_bit_and_gives_the_f32_files_logits(
     family_folder, tmp_path
 ) -> None:
     """The layers of a Q4_0 file multiply through kvchat's 4-bit kernels (Phi-3's fused
-    q/k/v and gate/up matrices as they are in the file; experts excepted), and give what
-    the same file's weights dequantized give."""
+    q/k/v and gate/up matrices as they are in the file; Qwen3-MoE's experts one by one,
+    each sliced from its stacked tensor), and give what the same file's weights
+    dequantized give."""
     family, folder = family_folder
     try:
         f32 = convert(folder, tmp_path / f"{family}-f32.gguf", "f32")
     except ConverterUnavailable as exc:
         pytest.skip(f"llama.cpp's converter could not be fetched: {exc}")
-    q4 = requantize(f32, tmp_path / f"{family}-q4_0.gguf")
+    experts = "Q4_0" if family == "qwen3_moe" else None  # gpt-oss's come in MXFP4
+    q4 = requantize(f32, tmp_path / f"{family}-q4_0.gguf", experts=experts)
     native = load_model(str(q4), dtype="float32", device="cpu", weights="native")
     dense = load_model(str(q4), dtype="float32", device="cpu", weights="bf16")
     layer = native.transformer.layers[0]
     assert "Q4" in type(layer.qkv).__name__
-    # Qwen3-MoE's experts are dequantized to the compute dtype (no 4-bit expert kernel)
-    assert layer.experts is not None or "Q4" in type(layer.gate_up).__name__
+    if family == "qwen3_moe":
+        gate_up, down = layer.experts.linears[0]
+        assert "Q4" in type(gate_up).__name__ and "Q4" in type(down).__name__
+        assert dense.transformer.layers[0].experts.linears is None
+    elif layer.experts is None:
+        assert "Q4" in type(layer.gate_up).__name__
     assert "Q4" not in type(dense.transformer.layers[0].qkv).__name__
     for model in (native, dense):
         if family in CONTEXT:

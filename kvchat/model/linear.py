@@ -216,3 +216,9 @@ def make_linear(weights: list, biases: list | None = None) -> Linear:
     if len(weights) == 1:
         return DenseLinear(weights[0], biases[0] if biases else None)
     return DenseLinear.fused(weights, biases)
+
+
+def slot_names(cls: type) -> list[str]:
+    """The attribute names a `__slots__` class (and its bases) declare: where a `Linear`
+    keeps its tensors."""
+    return [name for c in cls.__mro__ for name in getattr(c, "__slots__", ())]

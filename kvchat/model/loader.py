@@ -30,7 +30,7 @@ from kvchat.paths import app_paths
 
 Progress = Callable[[str], None]
 CONVERSION_VERSION = 1  # bump when the converted folder's layout changes
-NATIVE_CACHE_VERSION = 4  # bump when the prepared layers change (4: no float32 dense copies)
+NATIVE_CACHE_VERSION = 5  # bump when the prepared layers change (5: 4-bit experts)
 
 
 @dataclass

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvchat.model.decoder_ops import silu_mul
+from kvchat.model.linear import Linear, slot_names
 
 
 class SparseMoE:
@@ -30,8 +31,8 @@ class SparseMoE:
     def __init__(
         self,
         router: torch.Tensor,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
+        gate_up: torch.Tensor | None,
+        down: torch.Tensor | None,
         experts_per_token: int,
         normalize: bool,
         *,
@@ -39,7 +40,10 @@ class SparseMoE:
         gate_up_bias: torch.Tensor | None = None,  # [E, 2 I]
         down_bias: torch.Tensor | None = None,  # [E, hidden]
         clamp: tuple[float, float] | None = None,  # gpt-oss's (alpha, limit)
+        linears: list[tuple[Linear, Linear]] | None = None,
     ):
+        """Dense experts stacked (`gate_up`, `down`), or each expert's (gate/up, down)
+        as built `Linear`s (`linears`: a 4-bit GGUF's, `gguf.weights.expert_linears`)."""
         self.router = router
         self.gate_up = gate_up
         self.down = down
@@ -49,6 +53,8 @@ class SparseMoE:
         self.gate_up_bias = gate_up_bias
         self.down_bias = down_bias
         self.clamp = clamp
+        self.linears = linears
+        self.num_experts = len(linears) if linears is not None else int(router.shape[0])
 
     @classmethod
     def from_weights(cls, weights: dict[str, torch.Tensor], config) -> SparseMoE:
@@ -57,6 +63,22 @@ class SparseMoE:
         if config.expert_kind == "gpt_oss":
             return cls.from_gpt_oss(weights, config)
         experts = range(config.num_experts)
+        built = [
+            (
+                weights.get(f"mlp.experts.{e}.gate_up_proj"),
+                weights.get(f"mlp.experts.{e}.down_proj"),
+            )
+            for e in experts
+        ]
+        if all(gate_up is not None and down is not None for gate_up, down in built):
+            return cls(
+                weights["mlp.gate.weight"],
+                None,
+                None,
+                config.num_experts_per_tok,
+                config.norm_topk_prob,
+                linears=built,  # type: ignore[arg-type]
+            )
 
         def stacked(*parts: str) -> torch.Tensor:
             return torch.stack(
@@ -108,15 +130,21 @@ class SparseMoE:
         )
 
     def tensors(self) -> list[torch.Tensor]:
-        optional = (self.router_bias, self.gate_up_bias, self.down_bias)
-        return [self.router, self.gate_up, self.down, *(t for t in optional if t is not None)]
+        optional = (self.router_bias, self.gate_up, self.down, self.gate_up_bias, self.down_bias)
+        built = [
+            t
+            for pair in self.linears or ()
+            for linear in pair
+            for t in (getattr(linear, name, None) for name in slot_names(type(linear)))
+            if isinstance(t, torch.Tensor)
+        ]
+        return [self.router, *(t for t in optional if t is not None), *built]
 
     def nbytes(self) -> int:
         """What one token reads: the router and its k experts (a step of many tokens
         reads more, up to every expert)."""
-        experts = self.gate_up.shape[0]
-        per_expert = (self.gate_up.nbytes + self.down.nbytes) // experts
-        return self.router.nbytes + self.k * per_expert
+        expert_bytes = sum(t.nbytes for t in self.tensors()) - self.router.nbytes
+        return self.router.nbytes + self.k * expert_bytes // self.num_experts
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
@@ -124,7 +152,7 @@ class SparseMoE:
         out = torch.zeros_like(x)
         flat = chosen.flatten()
         order = torch.argsort(flat, stable=True)  # the (token, slot) pairs, by expert
-        counts = torch.bincount(flat, minlength=self.gate_up.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tokens = order // self.k
         slot_weights = weights.flatten()[order]
         start = 0
@@ -132,10 +160,15 @@ class SparseMoE:
             if count == 0:
                 continue
             rows = tokens[start : start + count]
-            h = self._activation(
-                F.linear(x[rows], self.gate_up[expert], self._bias(self.gate_up_bias, expert))
-            )
-            y = F.linear(h, self.down[expert], self._bias(self.down_bias, expert))
+            if self.linears is not None:
+                gate_up, down = self.linears[expert]
+                y = down(self._activation(gate_up(x[rows])))
+            else:
+                assert self.gate_up is not None and self.down is not None
+                h = self._activation(
+                    F.linear(x[rows], self.gate_up[expert], self._bias(self.gate_up_bias, expert))
+                )
+                y = F.linear(h, self.down[expert], self._bias(self.down_bias, expert))
             y = y * slot_weights[start : start + count, None]
             out.index_add_(0, rows, y)
             start += count

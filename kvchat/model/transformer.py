@@ -31,7 +31,7 @@ from kvchat.model.decoder_ops import (
     silu_mul,
 )
 from kvchat.model.gemma3_layer import Gemma3Layer, gemma_multiplier, gemma_rms_norm
-from kvchat.model.linear import Linear, bounded_kernel_caches, make_linear
+from kvchat.model.linear import Linear, bounded_kernel_caches, make_linear, slot_names
 from kvchat.model.rope import RotaryTable, longrope_set
 from kvchat.model.sparse_moe import SparseMoE
 
@@ -199,7 +199,7 @@ class Transformer:
         it is: a step reads one row of it a token."""
         places: list[tuple[object, str]] = []
         for linear in self._linears():
-            for name in _slots(type(linear)):
+            for name in slot_names(type(linear)):
                 t = getattr(linear, name, None)
                 if (
                     isinstance(t, torch.Tensor)
@@ -219,7 +219,7 @@ class Transformer:
             if layer.experts is not None:
                 tensors += layer.experts.tensors()
         for linear in self._linears():
-            for name in _slots(type(linear)):
+            for name in slot_names(type(linear)):
                 t = getattr(linear, name, None)
                 if isinstance(t, torch.Tensor):
                     tensors.append(t)
@@ -268,11 +268,6 @@ class Transformer:
             cap = c.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-
-def _slots(cls: type) -> list[str]:
-    """The attribute names a `__slots__` class (and its bases) declare."""
-    return [name for c in cls.__mro__ for name in getattr(c, "__slots__", ())]
 
 
 def _strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -5,7 +5,9 @@ Q4_0, Q4_1 and Q4_K matrices become int4 groups of 32 without requantizing (see
 exactly as the dequantizing path does. A fused group (q/k/v, gate/up) is kept
 4-bit only when all its parts are 4-bit; otherwise it stays dense (correct, and
 mixed files such as Q4_K_M keep their higher-precision tensors as they are).
-A Q8_0 LM head (or tied embedding) is multiplied through the int8 kernel.
+A Q8_0 LM head (or tied embedding) is multiplied through the int8 kernel. Qwen3-MoE's
+experts, stacked in one 4-bit tensor per projection, become a 4-bit gate/up and down
+per expert (`expert_linears`), so a 4-bit MoE file stays 4-bit in memory.
 
 In float32 (CPUs without native bf16), where torch's int kernels run a reference loop,
 the blocks go to kvchat's own kernel as they are (`Q4Linear`, `Q8Linear`): every layer
@@ -19,7 +21,14 @@ import torch
 
 from kvchat.model.config import ModelConfig
 from kvchat.model.gguf.convert import PERMUTED_ARCHITECTURES, undo_llama_cpp_permute
-from kvchat.model.gguf.dequant import dequantize, unpack_q4, unpack_q8_0
+from kvchat.model.gguf.dequant import (
+    as_byte_tensor,
+    block_size,
+    bytes_per_block,
+    dequantize,
+    unpack_q4,
+    unpack_q8_0,
+)
 from kvchat.model.gguf.file import GGMLType, GGUFFile
 from kvchat.model.linear import Linear
 from kvchat.model.quantized_linear import (
@@ -101,6 +110,8 @@ def quantized_linears(
                 out[prefix + target] = Q4Linear.fused(blocks, bias=bias)
             else:
                 out[prefix + target] = Int4Linear.fused(blocks, dtype, bias=bias, dense=dense_copy)
+    if arch == "qwen3moe":
+        out.update(expert_linears(gguf, config, dtype))
     head = gguf.tensors.get("output.weight") or gguf.tensors.get("token_embd.weight")
     if head is not None and head.ggml_type == GGMLType.Q8_0 and head.shape[1] % 32 == 0:
         if dtype == torch.float32:
@@ -111,4 +122,36 @@ def quantized_linears(
         else:
             weight = dequantize(gguf.raw(head.name), head.ggml_type, head.shape)
             out["lm_head"] = Int8Linear(weight, dtype)
+    return out
+
+
+def expert_linears(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> dict[str, Linear]:
+    """Each expert's gate/up and down as 4-bit `Linear`s, named
+    `model.layers.{i}.mlp.experts.{e}.gate_up_proj` and `...down_proj`, from a layer's
+    stacked expert tensors ([E, rows, columns], expert-major bytes) where all three are
+    4-bit; no dense copies (an expert multiplies few rows a step)."""
+    out: dict[str, Linear] = {}
+    for i in range(config.num_layers):
+        infos = [gguf.tensors.get(f"blk.{i}.ffn_{p}_exps.weight") for p in ("gate", "up", "down")]
+        if any(info is None or info.ggml_type not in FOUR_BIT for info in infos):
+            continue
+        if dtype != torch.float32 and not all(
+            int4_supported(torch.device("cpu"), info.shape[2], info.shape[1]) for info in infos
+        ):
+            continue
+        raw = [as_byte_tensor(gguf.raw(info.name)) for info in infos]
+        for e in range(config.num_experts):
+            blocks = []
+            for info, data in zip(infos, raw, strict=True):
+                _, rows, cols = info.shape
+                size = rows * cols // block_size(info.ggml_type) * bytes_per_block(info.ggml_type)
+                b = unpack_q4(data[e * size : (e + 1) * size], info.ggml_type, (rows, cols))
+                blocks.append((b.codes, b.scales, b.offsets))
+            prefix = f"model.layers.{i}.mlp.experts.{e}."
+            if dtype == torch.float32:
+                out[prefix + "gate_up_proj"] = Q4Linear.fused(blocks[:2])
+                out[prefix + "down_proj"] = Q4Linear.fused(blocks[2:])
+            else:
+                out[prefix + "gate_up_proj"] = Int4Linear.fused(blocks[:2], dtype)
+                out[prefix + "down_proj"] = Int4Linear.fused(blocks[2:], dtype)
     return out
