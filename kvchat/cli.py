@@ -154,6 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder for the JSON, Markdown and PNG (default: benchmarks/runs/DATE-CPU, "
         "git-ignored)",
     )
+    bench.add_argument(
+        "--model-shape",
+        metavar="NAME[:QUANT]",
+        help="measure a model of a real shape with random weights, made once (llama-3.2-1b, "
+        "qwen2.5-1.5b, gemma-3-1b; Q4_0 or Q4_K_M, the default) in place of --model",
+    )
+    bench.add_argument(
+        "--list-shapes", action="store_true", help="list the shapes made so far and their sizes"
+    )
+    bench.add_argument("--remove-shape", metavar="NAME", help="remove a made shape's files")
     _add_model_options(bench)
     cache = sub.add_parser(
         "cache", help="show the KV cache tiers' sizes; `cache clear` empties disk"

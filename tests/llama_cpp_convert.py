@@ -3,72 +3,30 @@ real weights of which can be fetched here: the tests write random-weight Hugging
 folders of a family's shapes and convert them exactly as a user's GGUF was made.
 
 The converter, its `conversion/` package and `gguf-py` come from the llama-cpp-python
-sdist the llama-server build uses (`benchmarks/servers/build_llama_server.sh` pins the
-version), fetched once with pip into the shared test cache.
+sdist the llama-server build uses, fetched once into the shared test cache by the
+bench's own `kvchat.bench.llama_cpp_tools`.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tarfile
-import tempfile
 from pathlib import Path
 
+from kvchat.bench import llama_cpp_tools
+from kvchat.bench.llama_cpp_tools import ConverterUnavailable
 from tests.shared_cache import TEST_CACHE
 
-VERSION = "0.3.36"  # as benchmarks/servers/build_llama_server.sh
-FOLDER = TEST_CACHE / f"llama-cpp-convert-{VERSION}"
-_INSIDE = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
-_WANTED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-
-
-class ConverterUnavailable(RuntimeError):
-    """The sdist could not be fetched (no network to PyPI): the reason."""
+__all__ = ["ConverterUnavailable", "convert", "converter", "requantize"]
 
 
 def converter() -> Path:
-    """The folder holding convert_hf_to_gguf.py, conversion/ and gguf-py/ (fetched once)."""
-    script = FOLDER / "convert_hf_to_gguf.py"
-    if script.exists():
-        return FOLDER
-    with tempfile.TemporaryDirectory() as scratch:
-        got = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-             f"llama-cpp-python=={VERSION}", "-d", scratch],
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        if got.returncode != 0:
-            raise ConverterUnavailable(got.stderr.strip()[-500:])
-        (sdist,) = Path(scratch).glob("*.tar.gz")
-        partial = Path(tempfile.mkdtemp(prefix=FOLDER.name + ".", dir=TEST_CACHE))
-        with tarfile.open(sdist) as tar:
-            for member in tar.getmembers():
-                inner = member.name.removeprefix(_INSIDE)
-                if (
-                    member.name.startswith(_INSIDE)
-                    and inner.startswith(_WANTED)
-                    and (member.isfile())
-                ):
-                    member.name = inner
-                    tar.extract(member, partial, filter="data")
-        partial.rename(FOLDER)  # whole or not at all
-    return FOLDER
+    """The folder holding convert_hf_to_gguf.py, conversion/ and gguf-py/ (fetched once
+    into the shared test cache)."""
+    return llama_cpp_tools.converter(TEST_CACHE)
 
 
 def convert(hf_folder: Path, out: Path, outtype: str = "f32") -> Path:
     """`hf_folder` as a GGUF of `outtype` (f32, bf16, q8_0), as llama.cpp converts it."""
-    folder = converter()
-    env = {**os.environ, "PYTHONPATH": f"{folder / 'gguf-py'}{os.pathsep}{folder}"}
-    done = subprocess.run(
-        [sys.executable, str(folder / "convert_hf_to_gguf.py"), str(hf_folder),
-         "--outfile", str(out), "--outtype", outtype],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{done.stderr[-3000:]}")
-    return out
+    return llama_cpp_tools.convert(hf_folder, out, outtype, TEST_CACHE)
 
 
 def requantize(

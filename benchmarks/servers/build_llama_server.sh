@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-server from the sources vendored in the
-# llama-cpp-python sdist into the servers cache, reusing a finished build.
-# Prints the binary's path on its last line.
+# Builds llama.cpp's llama-server (with llama-bench and llama-quantize beside it) from
+# the sources vendored in the llama-cpp-python sdist into the servers cache, reusing a
+# finished build. Prints the server binary's path on its last line.
 #
 #   benchmarks/servers/build_llama_server.sh [DEST]
 #
@@ -57,7 +57,8 @@ flock 9
 # reused only when built for this CPU's features (DEST given by hand may have moved
 # between machines); it is run as its users run it, with its libraries found beside it:
 # the build tree its RPATH names is removed once a build is done
-if [ -x "$BIN" ] && [ "$(cat "$DEST/bin/simd" 2>/dev/null)" = "$STAMP" ] \
+if [ -x "$BIN" ] && [ -x "$DEST/bin/llama-quantize" ] \
+  && [ "$(cat "$DEST/bin/simd" 2>/dev/null)" = "$STAMP" ] \
   && LD_LIBRARY_PATH="$DEST/bin" "$BIN" --version >/dev/null 2>&1; then
   echo "$BIN"
   exit 0
@@ -77,8 +78,10 @@ nice -n 15 cmake -S "$SRC" -B "$DEST/build" "${GENERATOR[@]}" \
   -DLLAMA_BUILD_SERVER=ON "${SIMD[@]}" -DLLAMA_USE_PREBUILT_UI=OFF \
   -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release >&2
-# llama-bench too: the bench's llama.cpp figures (tg128, pp512) come from it
-nice -n 15 cmake --build "$DEST/build" --target llama-server llama-bench -j"$JOBS" >&2
+# llama-bench too: the bench's llama.cpp figures (tg128, pp512) come from it; and
+# llama-quantize, which makes the bench's 4-bit files of model shapes (Q4_0, Q4_K_M)
+nice -n 15 cmake --build "$DEST/build" --target llama-server llama-bench llama-quantize \
+  -j"$JOBS" >&2
 
 # The binary loads libllama/libggml from beside it (LD_LIBRARY_PATH=bin; its RPATH
 # points into the build tree); copy both, then remove the build tree and the sources,

@@ -40,9 +40,10 @@ from kvchat.bench.restart_phase import model_load
 from kvchat.bench.workloads import WORKLOAD_NAMES, WORKLOADS
 from kvchat.bench.workloads.context import DISK_NAME, BenchContext
 from kvchat.bench.workloads.plan import make_plan
-from kvchat.errors import KvchatError
+from kvchat.errors import KvchatError, UsageError
 from kvchat.model.device import dtype_name
 from kvchat.paths import app_paths
+from kvchat.units import format_size
 
 DENSE_NAME = "kvchat-dense"
 PEER_NAMES = ("transformers-naive", "transformers-cache", "llama.cpp", "llama-server", "vllm")
@@ -220,6 +221,40 @@ def _command(args) -> str:
     return " ".join(parts)
 
 
+def _shape_command(args, progress) -> bool:
+    """`--list-shapes` and `--remove-shape` (then nothing else runs: True); `--model-shape`
+    makes the shape if needed and puts its GGUF in `--model`'s place."""
+    from kvchat.bench import model_maker
+
+    cache = app_paths().cache_dir
+    if getattr(args, "list_shapes", False):
+        made = model_maker.made_shapes(cache)
+        for shape in made:
+            print(f"{shape.name}\t{format_size(shape.size)}\t{shape.folder}")
+        if not made:
+            print(f"No shapes made yet (they go to {model_maker.shapes_dir(cache)}).")
+        return True
+    if getattr(args, "remove_shape", None):
+        removed = model_maker.remove_shape(cache, args.remove_shape)
+        print(f"Removed {removed.name} ({format_size(removed.size)}, {removed.folder}).")
+        return True
+    if getattr(args, "model_shape", None):
+        if args.model:
+            raise UsageError("--model-shape measures a made model in --model's place: give one.")
+        from kvchat.model.default_model import ensure_default_gguf
+
+        shape, quant = model_maker.parse_shape(args.model_shape)
+        made = model_maker.make_shape(
+            shape,
+            cache,
+            ensure_default_gguf(progress),
+            progress,
+            llama_server=getattr(args, "llama_server", None),
+        )
+        args.model = str(made.gguf(quant))
+    return False
+
+
 def main(args) -> int:
     from kvchat.remote.options import remote_options
     from kvchat.runtime import read_settings, resolve_options
@@ -230,6 +265,8 @@ def main(args) -> int:
     from kvchat.bench.emulated_cpu import restart_emulating
 
     restart_emulating(getattr(args, "cpu", "native"), getattr(args, "argv", []))
+    if _shape_command(args, progress):
+        return 0
     workloads = parse_workloads(args.workloads)
     peer_names = parse_peers(args.peers)
     if args.repeats is not None and args.repeats < 1:

@@ -1,0 +1,122 @@
+"""The bench's models of real shape: made once (random weights, llama.cpp's converter and
+llama-quantize), reused, listed and removed; refused with a reason when the machine is
+too small. A tiny shape stands in for the real ones, which take minutes and gigabytes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvchat.bench import model_maker
+from kvchat.bench.model_shapes import SHAPES, TINY_LLAMA
+from kvchat.errors import KvchatError, UsageError
+from kvchat.paths import app_paths
+from tests.shared_cache import TEST_CACHE
+
+pytestmark = pytest.mark.real_model  # the default model's tokenizer goes into the folder
+
+
+@pytest.fixture(scope="module")
+def quantizer_server():
+    """A llama-server build with llama-quantize beside it (built once, as the tests'
+    servers are)."""
+    from tests.servers import Unavailable, llama_server_binary
+
+    try:
+        return llama_server_binary()
+    except Unavailable as exc:
+        pytest.skip(f"llama.cpp cannot be built here: {exc}")
+
+
+def test_a_shape_is_made_once_in_both_quantizations_and_kvchat_runs_it(
+    default_gguf_path, quantizer_server
+):
+    import gguf as gguf_py
+
+    from kvchat.model.loader import load_model
+
+    cache = app_paths().cache_dir  # this test's own (KVCHAT_HOME)
+    said: list[str] = []
+    made = model_maker.make_shape(
+        TINY_LLAMA,
+        cache,
+        default_gguf_path,
+        said.append,
+        llama_server=str(quantizer_server),
+        tools_cache=TEST_CACHE,
+    )
+    assert made.folder == model_maker.shapes_dir(cache) / "tiny-llama"
+    # only the 4-bit files are kept: the safetensors and the bf16 GGUF are gone
+    assert sorted(p.name for p in made.folder.iterdir()) == [
+        "done", "tiny-llama-Q4_0.gguf", "tiny-llama-Q4_K_M.gguf",
+    ]  # fmt: skip
+    # what llama-quantize wrote: the file type asked (a tiny shape's rows of 64 are too
+    # short for K-quant blocks of 256, so its Q4_K_M tensors fall back to other types)
+    for quant, file_type in (("Q4_0", gguf_py.LlamaFileType.MOSTLY_Q4_0),
+                             ("Q4_K_M", gguf_py.LlamaFileType.MOSTLY_Q4_K_M)):  # fmt: skip
+        reader = gguf_py.GGUFReader(made.gguf(quant))
+        assert reader.fields["general.file_type"].contents() == file_type, quant
+    q4_0 = gguf_py.GGUFReader(made.gguf("Q4_0"))
+    assert gguf_py.GGMLQuantizationType.Q4_0 in {t.tensor_type for t in q4_0.tensors}
+    model = load_model(str(made.gguf("Q4_K_M")), dtype="float32", device="cpu")
+    assert (model.config.hidden_size, model.config.num_layers) == (64, 2)
+    assert any("llama-quantize" in line for line in said)
+
+    stamp = made.gguf("Q4_0").stat().st_mtime_ns
+    again = model_maker.make_shape(TINY_LLAMA, cache, default_gguf_path, said.append)
+    assert again.gguf("Q4_0").stat().st_mtime_ns == stamp  # reused, not made again
+    assert [m.name for m in model_maker.made_shapes(cache)] == ["tiny-llama"]
+    assert model_maker.made_shapes(cache)[0].size > 0
+
+    removed = model_maker.remove_shape(cache, "tiny-llama")
+    assert removed.size > 0 and not made.folder.exists()
+    with pytest.raises(UsageError, match="made: none"):
+        model_maker.remove_shape(cache, "tiny-llama")
+
+
+def test_a_shape_is_refused_when_the_disk_is_short(monkeypatch, tmp_path):
+    import shutil
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(model_maker.shutil, "disk_usage", lambda _: usage._replace(free=2 * 10**9))
+    with pytest.raises(KvchatError, match=r"needs 14.0GiB of free disk .* there is 1.9GiB"):
+        model_maker.check_room(SHAPES["llama-3.2-1b"], 2_500_000_000, tmp_path)
+
+
+def test_the_real_shapes_count_their_weights_as_the_models_do():
+    """Llama 3.2 1B has 1.24 billion weights, Qwen2.5 1.5B 1.54 billion, Gemma 3 1B 1.0
+    billion: the configs are the models' own."""
+    counts = {name: model_maker.parameter_count(SHAPES[name]) for name in SHAPES}
+    assert round(counts["llama-3.2-1b"] / 1e9, 2) == 1.24
+    assert round(counts["qwen2.5-1.5b"] / 1e9, 2) == 1.54
+    assert round(counts["gemma-3-1b"] / 1e9, 1) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("llama-7b", "knows llama-3.2-1b, qwen2.5-1.5b, gemma-3-1b"),
+        ("llama-3.2-1b:Q8_0", "Q4_0, Q4_K_M after the colon"),
+    ],
+)
+def test_a_shape_not_known_is_refused_with_the_known_ones(spec, says):
+    with pytest.raises(UsageError, match=says):
+        model_maker.parse_shape(spec)
+
+
+def test_the_bench_lists_and_removes_shapes_from_the_command_line(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVCHAT_HOME": str(tmp_path / "home")}
+    listed = subprocess.run(
+        [sys.executable, "-m", "kvchat", "bench", "--list-shapes"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert listed.returncode == 0 and "No shapes made yet" in listed.stdout
+    removed = subprocess.run(
+        [sys.executable, "-m", "kvchat", "bench", "--remove-shape", "gemma-3-1b"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert removed.returncode == 2 and "No shape 'gemma-3-1b' has been made" in removed.stderr
