@@ -22,8 +22,10 @@ def hub(tmp_path, tiny_llama_dir):
     q4 = write_tiny_gguf(tmp_path / "files" / "tiny-Q4_1.gguf", "Q4_1")
     q4_0 = write_tiny_gguf(tmp_path / "files" / "tiny-Q4_0.gguf", "Q4_0", seed=1)
     folder = {p.name: p for p in tiny_llama_dir.iterdir() if p.is_file()}
-    gpt_oss = tmp_path / "files" / "gpt-oss-config.json"
-    gpt_oss.write_text((tiny_llama_dir / "config.json").read_text().replace('"llama"', '"gpt_oss"'))
+    hybrid = tmp_path / "files" / "qwen3-next-config.json"
+    hybrid.write_text(
+        (tiny_llama_dir / "config.json").read_text().replace('"llama"', '"qwen3_next"')
+    )
     hub = Hub(
         {
             "tiny-org/tiny-llama": Repo({**folder, "README.md": folder["config.json"]}),
@@ -32,8 +34,8 @@ def hub(tmp_path, tiny_llama_dir):
                 gguf_architecture="llama",
             ),
             "tiny-org/one-GGUF": Repo({"one-Q4_1.gguf": q4}, gguf_architecture="llama"),
-            "tiny-org/gpt-oss": Repo({**folder, "config.json": gpt_oss}),
-            "tiny-org/gpt-oss-GGUF": Repo({"g-Q4_0.gguf": q4_0}, gguf_architecture="gpt-oss"),
+            "tiny-org/qwen3-next": Repo({**folder, "config.json": hybrid}),
+            "tiny-org/qwen3-next-GGUF": Repo({"g-Q4_0.gguf": q4_0}, gguf_architecture="qwen3next"),
         }
     )
     server = HubServer(hub)
@@ -109,12 +111,12 @@ def test_a_model_folder_comes_whole_and_runs(hub, tmp_path):
     ("name", "says"),
     [
         (
-            "tiny-org/gpt-oss",
-            "tiny-org/gpt-oss is not a model kvchat runs: Unsupported architecture",
+            "tiny-org/qwen3-next",
+            "tiny-org/qwen3-next is not a model kvchat runs: Unsupported architecture",
         ),
         (
-            "tiny-org/gpt-oss-GGUF",
-            "tiny-org/gpt-oss-GGUF is a gpt-oss model, which kvchat does not",
+            "tiny-org/qwen3-next-GGUF",
+            "tiny-org/qwen3-next-GGUF is a qwen3next model, which kvchat does not",
         ),
         ("tiny-org/nothing", "there is no model tiny-org/nothing on the hub"),
         ("not a name", "'not a name' is not a hub model name: use ORG/NAME"),
