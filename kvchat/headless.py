@@ -34,7 +34,7 @@ from kvchat.chat.events import (
 )
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
-from kvchat.engine.api import SamplingParams
+from kvchat.engine.api import FinishReason, SamplingParams
 from kvchat.errors import KvchatError, UsageError
 from kvchat.paths import app_paths
 from kvchat.script import (
@@ -106,7 +106,7 @@ def reply_event(session: str, event: ReplyFinished) -> dict[str, Any]:
         "decode_tok_s": stats.decode_tok_s,
         "hit_rate": stats.hit_rate,
         "draft_tokens": stats.draft_tokens,
-        "error": stats.error if stats.finish_reason == "error" else None,
+        "error": stats.error if stats.finish_reason == FinishReason.ERROR else None,
     }
 
 
@@ -184,6 +184,9 @@ class _Runner:
         self.ids: dict[str, str] = {}  # script name -> session id
         self.names: dict[str, str] = {}  # session id -> script name
         self.failed = False
+        # a turn's number -> its script line: a say refused as it was sent names its line
+        self.lines: dict[int, int] = {}
+        self._lines_lock = threading.Lock()  # a refusal may be published before `say` returns
         # False for a backend that streams text without ids (a remote server)
         self.token_ids = getattr(service.engine, "streams_token_ids", True)
         service.subscribe(self.on_event)
@@ -191,7 +194,7 @@ class _Runner:
     def on_event(self, event: ChatEvent) -> None:
         name = self.names.get(getattr(event, "session_id", ""), "")
         if isinstance(event, ReplyFinished):
-            if event.stats.finish_reason == "error":
+            if event.stats.finish_reason == FinishReason.ERROR:
                 self.failed = True
             self.out.emit(reply_event(name, event))
         elif isinstance(event, ReplyDelta) and self.stream:
@@ -206,7 +209,9 @@ class _Runner:
             )
         elif isinstance(event, SessionFailed):
             self.failed = True
-            self.out.emit({"event": "error", "message": event.message, "line": None})
+            with self._lines_lock:
+                line = None if event.waited else self.lines.get(event.turn)
+            self.out.emit({"event": "error", "message": event.message, "line": line})
         elif isinstance(event, SaveFailed):
             self.failed = True
             self.out.emit(
@@ -250,13 +255,17 @@ class _Runner:
                 if getattr(op, k) is not None
             }
             base = service.session(session_id).sampling
-            service.say(
-                session_id,
-                op.text,
-                sampling=replace(base, **overrides) if overrides else None,
-                max_tokens=op.max_tokens,
-                ignore_eos=op.ignore_eos,
-            )
+            with self._lines_lock:
+                turn = service.say(
+                    session_id,
+                    op.text,
+                    sampling=replace(base, **overrides) if overrides else None,
+                    max_tokens=op.max_tokens,
+                    ignore_eos=op.ignore_eos,
+                )
+                self.lines[turn] = op.line
+            # a script's ops run in order: the next one finds this turn started (or refused)
+            service.flush()
         elif isinstance(op, DraftOp):
             service.draft(self.ids[op.session], op.text)
         elif isinstance(op, PauseOp):

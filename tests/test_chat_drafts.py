@@ -106,6 +106,7 @@ def test_a_draft_while_replying_waits_for_the_reply_to_end() -> None:
     try:
         sid = service.create_session("a")
         service.say(sid, "first")
+        service.flush(5)  # sized and started: the session replies
         service.draft(sid, "second, typed while the reply streams")
         assert engine.drafts == []
         while service.session(sid).state != "idle":

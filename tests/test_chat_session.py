@@ -7,11 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvchat.chat.events import ReplyDelta, ReplyFinished
+from kvchat.chat.events import ReplyDelta, ReplyFinished, SessionFailed
 from kvchat.chat.service import MODEL_CHANGED_NOTICE, SessionService
 from kvchat.chat.session import MessageState
 from kvchat.chat.store import Store
-from kvchat.errors import KvchatError, PromptTooLongError
+from kvchat.errors import KvchatError
 from kvchat.testing.fake_engine import END, CharRenderer, FakeEngine
 
 
@@ -205,12 +205,18 @@ def test_overflow_drops_the_oldest_turns_in_one_large_step() -> None:
         engine.close()
 
 
-def test_a_turn_that_cannot_fit_raises_and_changes_nothing() -> None:
+def test_a_turn_that_cannot_fit_fails_with_its_text_and_changes_nothing() -> None:
     service, engine, _ = make(engine=FakeEngine(context_length=100))
+    failed: list[SessionFailed] = []
+    service.subscribe(lambda e: failed.append(e) if isinstance(e, SessionFailed) else None)
     try:
         sid = service.create_session("a")
-        with pytest.raises(PromptTooLongError):
-            service.say(sid, "x" * 200)
+        turn = service.say(sid, "x" * 200)  # submitted: it is sized on the planner's thread
+        assert service.wait_idle(sid, timeout=10)
+        (failure,) = failed
+        assert failure.turn == turn and failure.text == "x" * 200 and not failure.waited
+        assert "does not fit" in failure.message and failure.unexpected is None
+        assert failure.snapshot.messages == () and failure.snapshot.view.message_count == 0
         assert service.messages(sid) == []
         assert engine.submitted == []
     finally:
@@ -224,6 +230,7 @@ def test_say_while_replying_waits_for_the_reply_to_end() -> None:
         sid = service.create_session("a")
         service.say(sid, "one")
         service.say(sid, "two")
+        service.flush(5)  # the first is sized and started; the second waits behind it
         assert len(engine.submitted) == 1
         assert service.session(sid).queued_says == 1
         engine.advance(5)  # 4 tokens + the stop token

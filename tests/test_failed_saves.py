@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.chat import service as service_module
+from kvchat.chat import service_worker as service_module
 from kvchat.chat.engine_port import ChatBackend
 from kvchat.chat.events import ChatEvent, ReplyFinished, SaveFailed, SaveRecovered
 from kvchat.chat.recovery import write_recovery

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvchat.chat.session import SessionView, TurnStats
+from kvchat.chat.session import SessionView, TurnState, TurnStats
 from kvchat.engine.api import CachedTokens, Residency, SamplingParams
 from kvchat.tui.sidebar import row_content
 
@@ -12,7 +12,7 @@ def _view(cached: int | None) -> SessionView:
     return SessionView(
         id="s",
         title="doc",
-        state="idle",
+        state=TurnState.IDLE,
         archived=False,
         unread=False,
         queued_says=0,

@@ -17,7 +17,7 @@ from textual.widget import Widget
 from textual.widgets import Markdown, Static
 
 from kvchat.chat.engine_port import Residency
-from kvchat.chat.session import MessageState, MessageView, SessionView
+from kvchat.chat.session import MessageState, MessageView, SessionView, TurnState
 from kvchat.engine.request import SamplingParams
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.markdown import RESERVE_LINES, StreamingMarkdown, StreamParagraph
@@ -216,7 +216,7 @@ def _view(**changes) -> SessionView:
     values = dict(
         id="s1",
         title="chat",
-        state="decoding",
+        state=TurnState.DECODING,
         archived=False,
         unread=False,
         queued_says=0,

@@ -60,19 +60,42 @@ def test_each_service_event_kind_becomes_the_message_for_its_effect_and_text_is_
     import typing
 
     from kvchat.chat import events as ev
+    from kvchat.chat.session import SessionSnapshot, SessionView, TurnState
     from kvchat.tui import messages as ui
     from kvchat.tui.service_events import relay_to
 
+    view = SessionView(
+        id="s",
+        title="t",
+        state=TurnState.IDLE,
+        archived=False,
+        unread=False,
+        queued_says=0,
+        message_count=0,
+        context_tokens=0,
+        context_length=4096,
+        last_turn=None,
+        system_prompt=None,
+        sampling=SamplingParams(),
+        max_tokens=64,
+        model_fingerprint="m",
+        notice=None,
+        created=0.0,
+        updated=0.0,
+        number=1,
+        unsent="",
+    )
+    snap = SessionSnapshot(view, ())
     samples = {
         ev.SessionCreated: (ev.SessionCreated("s"), ui.RelistSessions),
         ev.SessionArchived: (ev.SessionArchived("s", True), ui.RelistSessions),
         ev.SessionDeleted: (ev.SessionDeleted("s", True), ui.RelistSessions),
-        ev.SessionRenamed: (ev.SessionRenamed("s", "t"), ui.RedrawSession),
-        ev.SessionChanged: (ev.SessionChanged("s"), ui.RedrawSession),
-        ev.ReplyStarted: (ev.ReplyStarted("s", "m", 1), ui.RedrawSession),
-        ev.ReplyFinished: (ev.ReplyFinished("s", "m", 1, "hi", None), ui.FinishReply),
-        ev.SessionNotice: (ev.SessionNotice("s", "note"), ui.ShowSessionNotice),
-        ev.SessionFailed: (ev.SessionFailed("s", "no room"), ui.ReportSessionFailure),
+        ev.SessionRenamed: (ev.SessionRenamed("s", "t", snap), ui.RedrawSession),
+        ev.SessionChanged: (ev.SessionChanged("s", snap), ui.RedrawSession),
+        ev.ReplyStarted: (ev.ReplyStarted("s", "m", 1, snap), ui.RedrawSession),
+        ev.ReplyFinished: (ev.ReplyFinished("s", "m", 1, "hi", None, snap), ui.FinishReply),
+        ev.SessionNotice: (ev.SessionNotice("s", "note", snap), ui.ShowSessionNotice),
+        ev.SessionFailed: (ev.SessionFailed("s", "no room", snap), ui.ReportSessionFailure),
         ev.DraftChanged: (ev.DraftChanged("s", 1200, 1500), ui.ShowTokensReady),
         ev.SaveFailed: (ev.SaveFailed("disk full", 3), ui.ShowSaveFailure),
         ev.SaveRecovered: (ev.SaveRecovered(), ui.ClearSaveFailure),

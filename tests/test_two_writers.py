@@ -15,7 +15,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from kvchat.chat.service import DIVERGED_NOTICE, SessionService
+from kvchat.chat.persistence import DIVERGED_NOTICE
+from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
 from kvchat.testing.fake_engine import CharRenderer, FakeEngine
 

@@ -2,14 +2,16 @@
 
 Callbacks run on the service's worker thread (or the caller's thread for
 commands); a UI marshals them to its own loop (`call_from_thread`,
-`post_message`) and must not do slow work in the callback.
+`post_message`) and must not do slow work in the callback. An event about one
+session's messages, title or state carries the session's `SessionSnapshot` taken
+when it happened, so a subscriber never reads the session back to show it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvchat.chat.session import TurnStats
+from kvchat.chat.session import SessionSnapshot, TurnStats
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,7 @@ class SessionCreated:
 class SessionRenamed:
     session_id: str
     title: str
+    snapshot: SessionSnapshot
 
 
 @dataclass(frozen=True)
@@ -37,9 +40,10 @@ class SessionDeleted:
 
 @dataclass(frozen=True)
 class SessionChanged:
-    """Messages, settings, state or unread flag changed: re-read the session's view."""
+    """Messages, settings, state or unread flag changed: `snapshot` is the session now."""
 
     session_id: str
+    snapshot: SessionSnapshot
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class SessionNotice:
 
     session_id: str
     text: str
+    snapshot: SessionSnapshot
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,7 @@ class ReplyStarted:
     session_id: str
     message_id: str  # the assistant message being written
     turn: int  # 1-based: the number of user messages in the session so far
+    snapshot: SessionSnapshot  # the user message and the empty reply included
 
 
 @dataclass(frozen=True)
@@ -72,14 +78,26 @@ class ReplyFinished:
     turn: int
     text: str
     stats: TurnStats
+    snapshot: SessionSnapshot  # the reply stored, as it ended
 
 
 @dataclass(frozen=True)
 class SessionFailed:
-    """A queued turn could not start (its prompt did not fit, the engine refused it)."""
+    """A turn could not start (its prompt did not fit, the renderer failed): nothing of it
+    was added to the session.
+
+    `waited` says whether it had waited behind the session's running reply; one that did
+    not failed as it was sent, so its `text` can go back to where it was typed.
+    """
 
     session_id: str
     message: str
+    snapshot: SessionSnapshot
+    turn: int = 0  # the number `SessionService.say` returned for it
+    text: str = ""  # the message that was not sent
+    edit: bool = False  # it was an edit-and-resend of the last message
+    waited: bool = True
+    unexpected: str | None = None  # not a KvchatError (a bug): the failure's own text
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,14 @@ adds, so the prefix the KV cache matched last turn matches again. Each message
 remembers where its rendering starts in those ids (`offset`), so an edit cuts
 the ids there and everything before the edit stays cached. `Session` and
 `Message` are mutable and private to `SessionService`; what crosses threads and
-layers are the frozen `SessionView`, `MessageView` and `TurnStats`.
+layers are the frozen `SessionView`, `MessageView`, `SessionSnapshot` and `TurnStats`.
 """
 
 from __future__ import annotations
 
 import json
+import time
+import uuid
 from array import array
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -116,6 +118,13 @@ class Message:
         return {"role": self.role, "content": self.content}
 
 
+def new_message(role: str, content: str, state: MessageState = MessageState.COMPLETE) -> Message:
+    """A message with a fresh id, created now."""
+    return Message(
+        id=uuid.uuid4().hex, role=role, content=content, state=state, created=time.time()
+    )
+
+
 @dataclass
 class Session:
     """A conversation: messages, their rendered ids (for `model_fingerprint`), its settings.
@@ -188,12 +197,28 @@ class SessionView:
     number: int  # its place in the list, from 1 (alt+N): never changes while it is listed
     unsent: str  # what was typed for it and not sent (its composer's text)
     model_name: str = ""  # the model its last turn ran on ("": unknown)
+    # the service's count of views taken when this one was: of two views of a session,
+    # the one with the larger count is the newer (not part of what is shown)
+    taken: int = field(default=0, compare=False)
 
     @property
     def context_fraction(self) -> float | None:
         if self.context_tokens is None or self.context_length <= 0:
             return None
         return self.context_tokens / self.context_length
+
+
+@dataclass(frozen=True)
+class SessionSnapshot:
+    """A session's view and messages taken together under the service's lock: what an
+    event announces, so that a subscriber shows it without asking the service again."""
+
+    view: SessionView
+    messages: tuple[MessageView, ...]
+
+    @property
+    def taken(self) -> int:
+        return self.view.taken
 
 
 def sampling_to_json(sampling: SamplingParams) -> str:

@@ -2,13 +2,15 @@
 
 The screen the app shows once the model is loaded. It owns the widgets and hands each
 concept to a collaborator built with what it needs: the frame pump (`frame_pump`),
-switching (`session_switcher`), sending (`sending`), the type-ahead draft
+switching (`session_switcher`), the type-ahead draft
 (`draft_sender`), each session's unsent text (`unsent_text`), attachments
 (`attaching`) and the shown session's commands (`session_actions`). What stays here
 is the layout, the key bindings, and one handler per message.
 
 Threads: the service's worker thread buffers reply text and posts every other event
-here as a message named for its effect (`service_events`); the UI thread shows it. Its
+here as a message named for its effect, with the snapshot the event carried
+(`service_events`); the UI thread shows it. Sending a message only submits it (the
+service sizes and starts the turn on its own threads), so it runs on the UI thread. Its
 keys are priority bindings (over the text area's own f6, ctrl+pageup…) that are off
 while a dialog or another screen is up; quit is the app's, on every screen.
 """
@@ -26,8 +28,9 @@ from textual.screen import Screen
 from textual.widgets import Footer, TextArea
 
 from kvchat.chat.search import SearchHit
-from kvchat.chat.service import RETRY_SAVE_S, SessionService
-from kvchat.chat.session import SessionView
+from kvchat.chat.service import SessionService
+from kvchat.chat.service_worker import RETRY_SAVE_S
+from kvchat.chat.session import SessionSnapshot, SessionView
 from kvchat.tui.attaching import Attachments
 from kvchat.tui.attachment_chips import AttachmentChips
 from kvchat.tui.backend import TuiBackend
@@ -35,7 +38,7 @@ from kvchat.tui.command_palette import chat_commands
 from kvchat.tui.composer import Composer
 from kvchat.tui.draft_sender import DraftSender
 from kvchat.tui.frame_pump import FramePump
-from kvchat.tui.guarded import guarded, notify_failure
+from kvchat.tui.guarded import guarded, log_failure, notify_bug, notify_failure
 from kvchat.tui.keys import CHAT_KEYS, bindings, keys_for
 from kvchat.tui.messages import (
     ClearSaveFailure,
@@ -44,7 +47,6 @@ from kvchat.tui.messages import (
     RelistSessions,
     ReportSessionFailure,
     ResidencyReady,
-    SendFailed,
     ShowSaveFailure,
     ShowSessionNotice,
     ShowTokensReady,
@@ -52,12 +54,12 @@ from kvchat.tui.messages import (
 from kvchat.tui.meters import Meters
 from kvchat.tui.save_banner import SaveBanner
 from kvchat.tui.screens import HelpScreen, TextDialog
-from kvchat.tui.sending import NEW_TITLE, Sender
 from kvchat.tui.service_events import relay_to
 from kvchat.tui.session_actions import SessionActions
 from kvchat.tui.session_switcher import SessionSwitcher
 from kvchat.tui.sidebar import SessionList, SessionRow
 from kvchat.tui.stream_buffer import StreamBuffer
+from kvchat.tui.titles import NEW_TITLE, title_from
 from kvchat.tui.transcript import Transcript
 from kvchat.tui.unsent_text import UnsentText
 
@@ -132,7 +134,6 @@ class ChatScreen(Screen[None]):
             backend=lambda: self.backend,
             host=self,
         )
-        self.sender = Sender(service, replies_to=self)
         self.attachments = Attachments(
             service,
             composer=self.composer,
@@ -201,9 +202,9 @@ class ChatScreen(Screen[None]):
             self.composer.action_send()  # to the session shown, as if sent just now
 
     def close(self) -> None:
-        """Stop listening and sending; store the composer's text with its session."""
+        """Stop listening; store the composer's text with its session. (A message sent just
+        before quitting is stored: the service starts it before it closes.)"""
         self.frames.stop()
-        self.sender.close()  # a message sent just before quitting is stored
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
@@ -279,48 +280,59 @@ class ChatScreen(Screen[None]):
 
     @guarded
     async def on_report_session_failure(self, message: ReportSessionFailure) -> None:
-        self.notify(f"{self.sessions.title(message.session_id)}: {message.text}", severity="error")
-        self._redraw_row(message.session_id)
+        failure = message.failure
+        if not failure.waited:  # refused as it was sent: the message is back to fix
+            if failure.text and not self.composer.message:  # nothing typed since
+                self.composer.load_message(failure.text)
+                self.composer.set_editing(failure.edit)
+            if failure.unexpected is not None:
+                notify_bug(self, failure.unexpected)
+            else:
+                self.notify(failure.message, severity="error")
+            return
+        title = self.sessions.title(failure.session_id)
+        self.notify(f"{title}: {failure.message}", severity="error")
+        self._redraw_row(failure.snapshot.view)
 
     @guarded
     async def on_show_session_notice(self, message: ShowSessionNotice) -> None:
         if message.session_id == self.current:
             self.notify(message.text)
-        self._redraw_row(message.session_id)
+        self._redraw_row(message.view)
 
     @guarded
     async def on_redraw_session(self, message: RedrawSession) -> None:
-        if self._redraw_row(message.session_id):
-            await self._sync_transcript(final_flush=False)
+        if self._redraw_row(message.snapshot.view):
+            await self._sync_transcript(message.snapshot, final_flush=False)
             self.sessions.update_title()
 
     @guarded
     async def on_finish_reply(self, message: FinishReply) -> None:
-        self.meters.turn_finished(message.session_id)  # its figures are this run's
-        if not self._redraw_row(message.session_id):
+        snapshot = message.snapshot
+        self.meters.turn_finished(snapshot.view.id)  # its figures are this run's
+        if not self._redraw_row(snapshot.view):
             return
-        await self._sync_transcript(final_flush=True)
+        await self._sync_transcript(snapshot, final_flush=True)
         self.buffer.finish(message.message_id)
         self.sessions.update_title()
         self.frames.tick_meters()
 
-    def _redraw_row(self, session_id: str) -> bool:
+    def _redraw_row(self, view: SessionView) -> bool:
         """The session's row now if it is the one shown (True), else at the next tick: its
         repaint then shares the tick's screen update instead of costing one of its own."""
-        if session_id != self.current:
-            self.frames.row_due(session_id)
+        if view.id != self.current:
+            self.frames.row_due(view)
             return False
-        self.sessions.refresh_row(session_id)
+        self.sessions.show_view(view)
         return True
 
-    async def _sync_transcript(self, *, final_flush: bool) -> None:
-        """The transcript from the service's messages (after the last buffered text)."""
-        current = self.current
-        assert current is not None
+    async def _sync_transcript(self, snapshot: SessionSnapshot, *, final_flush: bool) -> None:
+        """The transcript from the event's snapshot (after the last buffered text); a
+        snapshot older than the one shown is passed over (the newer one is on screen)."""
         async with self.sessions.transcript_lock:
             if final_flush:
                 await self.frames.flush_unlocked()  # the final flush: no token is lost
-            await self.transcript.sync(current, self.service.messages(current))
+            await self.sessions.sync_transcript(snapshot)
 
     def on_residency_ready(self, message: ResidencyReady) -> None:
         self.frames.residency_ready(message.residencies)
@@ -341,14 +353,18 @@ class ChatScreen(Screen[None]):
         else:
             self.drafts.sent()
         self.composer.clear()
-        # sizing the turn may ask a server (/tokenize): on the sender thread, in send order
-        self.sender.send(session_id, text, editing=editing, retitle=retitle)
-
-    def on_send_failed(self, message: SendFailed) -> None:
-        if not self.composer.message:  # nothing typed since: the message is back to fix
-            self.composer.load_message(message.text)
-            self.composer.set_editing(message.editing)
-        notify_failure(self, message.error)
+        try:  # only submitted: the service sizes and starts the turn on its own threads
+            if editing:
+                self.service.edit_last_user_message(session_id, text)
+            else:  # ends the session's draft, keeping its pages
+                title = title_from(text) if retitle else None
+                self.service.say(session_id, text, title=title)
+        except Exception as exc:  # refused at once: the message is back to fix
+            log_failure(exc, "send")
+            if not self.composer.message:
+                self.composer.load_message(text)
+                self.composer.set_editing(editing)
+            notify_failure(self, exc)
 
     def on_text_area_changed(self, event: TextArea.Changed) -> None:
         if event.text_area is self.composer:

@@ -19,7 +19,7 @@ from textual.timer import Timer
 from textual.widget import Widget
 
 from kvchat.chat.service import SessionService
-from kvchat.chat.session import TurnState
+from kvchat.chat.session import SessionView, TurnState
 from kvchat.engine.api import Residency
 from kvchat.errors import KvchatError
 from kvchat.tui.backend import TuiBackend
@@ -65,7 +65,7 @@ class FramePump:
         self.backend = backend  # the one serving now (a model switch replaces it)
         self.host = host  # owns the timer and the thread workers, gets `ResidencyReady`
         self._timer: Timer | None = None
-        self._rows_due: set[str] = set()  # rows to refresh at the next tick
+        self._rows_due: dict[str, SessionView] = {}  # rows to show at the next tick
         self._residency_due: dict[str, Residency] = {}  # residencies to show at the next tick
         self._residency_busy = False
         self._residency_all_at = 0.0
@@ -82,10 +82,12 @@ class FramePump:
             self._timer.stop()
             self._timer = None
 
-    def row_due(self, session_id: str) -> None:
-        """Refresh `session_id`'s row at the next tick: its repaint then shares the tick's
-        screen update instead of costing one of its own."""
-        self._rows_due.add(session_id)
+    def row_due(self, view: SessionView) -> None:
+        """Show `view` in its session's row at the next tick: its repaint then shares the
+        tick's screen update instead of costing one of its own."""
+        due = self._rows_due.get(view.id)
+        if due is None or due.taken < view.taken:
+            self._rows_due[view.id] = view
 
     async def tick(self) -> None:
         """`FLUSH_HZ`: rows that changed, the meters when their turn came, then the text.
@@ -94,9 +96,9 @@ class FramePump:
         few ms of the UI thread whatever it repaints.
         """
         if self._rows_due:
-            due, self._rows_due = self._rows_due, set()
-            for session_id in due:
-                self.sessions.refresh_row(session_id)
+            due, self._rows_due = self._rows_due, {}
+            for view in due.values():
+                self.sessions.show_view(view)
         if self._residency_due:
             due_residency, self._residency_due = self._residency_due, {}
             rows = self.sidebar.rows()
@@ -122,7 +124,7 @@ class FramePump:
             return
         for chunk in chunks:
             if not await self.transcript.append(chunk):
-                await self.transcript.sync(current, self.service.messages(current))
+                await self.sessions.sync_transcript(self.service.snapshot(current))
                 await self.transcript.append(chunk)
 
     def tick_meters(self) -> None:

@@ -2,8 +2,9 @@
 
 A `KvchatError` (a user's mistake or a known failure) is shown as its message;
 anything else is logged to the error log and reported in one line saying where.
-Work done off the UI thread (a send) logs in its own `except` with
-`log_failure` and notifies on the UI thread with `notify_failure`.
+Work done off the UI thread logs in its own `except` with `log_failure` and
+notifies on the UI thread with `notify_failure` (or `notify_bug`, given only the
+failure's text).
 """
 
 from __future__ import annotations
@@ -35,10 +36,15 @@ def notify_failure(app: Notifier, exc: Exception) -> None:
     if isinstance(exc, KvchatError):
         app.notify(str(exc), severity="error")
     else:
-        app.notify(
-            f"Something went wrong ({exc}); details are in {app_paths().error_log}",
-            severity="error",
-        )
+        notify_bug(app, str(exc))
+
+
+def notify_bug(app: Notifier, what: str) -> None:
+    """A failure that is not a `KvchatError` (its traceback is in the error log)."""
+    app.notify(
+        f"Something went wrong ({what}); details are in {app_paths().error_log}",
+        severity="error",
+    )
 
 
 def guarded(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from textual.message import Message
 
+from kvchat.chat.events import SessionFailed
 from kvchat.chat.service import SessionService
+from kvchat.chat.session import SessionSnapshot, SessionView
 from kvchat.engine.api import Residency
 from kvchat.tui.backend import ModelChoice, TuiBackend
 
@@ -66,16 +68,6 @@ class ResidencyReady(Message):
         self.residencies = residencies
 
 
-class SendFailed(Message):
-    """The sender thread could not send the composer's message (its text comes back)."""
-
-    def __init__(self, text: str, editing: bool, error: Exception) -> None:
-        super().__init__()
-        self.text = text
-        self.editing = editing
-        self.error = error
-
-
 class ShowTokensReady(Message):
     """A session's draft moved: the composer's "N tokens ready" (None: no draft)."""
 
@@ -103,35 +95,37 @@ class RelistSessions(Message):
 
 
 class ReportSessionFailure(Message):
-    """A session's turn could not start: a notification names the session."""
+    """A session's turn could not start: its text back to the composer when it was refused
+    as it was sent, else a notification that names the session."""
 
-    def __init__(self, session_id: str, text: str) -> None:
+    def __init__(self, failure: SessionFailed) -> None:
         super().__init__()
-        self.session_id = session_id
-        self.text = text
+        self.failure = failure
 
 
 class ShowSessionNotice(Message):
     """Something to tell about a session: a notification if it is the one shown."""
 
-    def __init__(self, session_id: str, text: str) -> None:
+    def __init__(self, session_id: str, text: str, view: SessionView) -> None:
         super().__init__()
         self.session_id = session_id
         self.text = text
+        self.view = view  # the session when it was said
 
 
 class RedrawSession(Message):
-    """A session's title, messages or state changed: its row, and its transcript if shown."""
+    """A session's title, messages or state changed: its row, and its transcript if shown,
+    from the snapshot the event carried."""
 
-    def __init__(self, session_id: str) -> None:
+    def __init__(self, snapshot: SessionSnapshot) -> None:
         super().__init__()
-        self.session_id = session_id
+        self.snapshot = snapshot
 
 
 class FinishReply(Message):
     """A reply ended: its last text is flushed, the transcript and the meters catch up."""
 
-    def __init__(self, session_id: str, message_id: str) -> None:
+    def __init__(self, snapshot: SessionSnapshot, message_id: str) -> None:
         super().__init__()
-        self.session_id = session_id
+        self.snapshot = snapshot
         self.message_id = message_id

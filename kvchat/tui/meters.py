@@ -198,7 +198,7 @@ class Meters(Vertical):
             return _rate(last.decode_tok_s if last is not None else None)
         if session_rate is not None:
             self._reply_rates[view.id] = _rate(session_rate)
-        elif view.state != "decoding":
+        elif view.state != TurnState.DECODING:
             return view.state  # queued, prefilling, preempted: no tokens yet
         return self._reply_rates.get(view.id, "starting")
 

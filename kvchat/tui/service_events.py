@@ -15,7 +15,9 @@ message named for its effect:
 | `SessionChanged`, `SessionRenamed`, `ReplyStarted` | `RedrawSession` |
 | `ReplyFinished` | `FinishReply` |
 
-Events with the same effect share its message, so each effect has one handler.
+Events with the same effect share its message, so each effect has one handler. An
+event about a session carries its snapshot, and so does its message: the handlers
+show it without reading the session back from the service.
 """
 
 from __future__ import annotations
@@ -67,13 +69,13 @@ def message_for(event: ChatEvent) -> Message:
     if isinstance(event, SessionCreated | SessionArchived | SessionDeleted):
         return RelistSessions()
     if isinstance(event, SessionFailed):
-        return ReportSessionFailure(event.session_id, event.message)
+        return ReportSessionFailure(event)
     if isinstance(event, SessionNotice):
-        return ShowSessionNotice(event.session_id, event.text)
+        return ShowSessionNotice(event.session_id, event.text, event.snapshot.view)
     if isinstance(event, ReplyFinished):
-        return FinishReply(event.session_id, event.message_id)
+        return FinishReply(event.snapshot, event.message_id)
     if isinstance(event, SessionChanged | SessionRenamed | ReplyStarted):
-        return RedrawSession(event.session_id)
+        return RedrawSession(event.snapshot)
     raise TypeError(f"no UI message for {type(event).__name__}")
 
 

@@ -15,13 +15,13 @@ from collections.abc import Callable
 from textual.widget import Widget
 
 from kvchat.chat.service import SessionService
-from kvchat.chat.session import SessionView, TurnState
+from kvchat.chat.session import SessionSnapshot, SessionView, TurnState
 from kvchat.errors import KvchatError
 from kvchat.tui.backend import TuiBackend
 from kvchat.tui.composer import Composer
 from kvchat.tui.draft_sender import DraftSender
-from kvchat.tui.sending import NEW_TITLE
 from kvchat.tui.sidebar import SessionList
+from kvchat.tui.titles import NEW_TITLE
 from kvchat.tui.transcript import Transcript
 from kvchat.tui.unsent_text import UnsentText
 
@@ -57,6 +57,7 @@ class SessionSwitcher:
         self.views: dict[str, SessionView] = {}
         self.show_archived = False
         self._told_model: set[str] = set()  # sessions told they were written by another model
+        self.shown_taken = 0  # the `taken` of the snapshot the transcript shows
 
     # ------------------------------------------------------------------ the list
 
@@ -77,14 +78,31 @@ class SessionSwitcher:
         self.on_relisted()
 
     def refresh_row(self, session_id: str) -> None:
+        """The session's row from the service's view now (the meters' tick)."""
         if session_id not in self.views:
             return
         try:
             view = self.service.session(session_id)
         except KvchatError:
             return
-        self.views[session_id] = view
+        self.show_view(view)
+
+    def show_view(self, view: SessionView) -> None:
+        """Show `view` in its session's row, unless the row already shows a newer one (events
+        are published from more than one thread, so a view can arrive after a later one)."""
+        held = self.views.get(view.id)
+        if held is None or held.taken > view.taken:
+            return
+        self.views[view.id] = view
         self.sidebar.update_view(view)
+
+    async def sync_transcript(self, snapshot: SessionSnapshot) -> None:
+        """Bring the transcript up to `snapshot` of the current session, unless it shows a
+        newer one already. The caller holds `transcript_lock`."""
+        if snapshot.view.id != self.current or snapshot.taken < self.shown_taken:
+            return
+        self.shown_taken = snapshot.taken
+        await self.transcript.sync(self.current, snapshot.messages)
 
     def title(self, session_id: str) -> str:
         view = self.views.get(session_id)
@@ -126,8 +144,9 @@ class SessionSwitcher:
             if self.composer.message:
                 self.drafts.edited()  # computed ahead again
         async with self.transcript_lock:
-            messages = self.service.messages(session_id) if session_id else []
-            await self.transcript.show(session_id, messages)
+            snapshot = self.service.snapshot(session_id) if session_id else None
+            self.shown_taken = snapshot.taken if snapshot else 0
+            await self.transcript.show(session_id, snapshot.messages if snapshot else [])
         self.update_title()
         if session_id is not None:
             self.host.run_worker(
