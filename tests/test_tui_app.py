@@ -181,8 +181,8 @@ async def test_hidden_session_finishes_and_every_token_reaches_the_transcript():
 
 
 async def test_a_message_that_cannot_be_sent_comes_back_to_the_composer():
-    """Sending runs on a thread (sizing a turn may ask a server); a refusal is shown and the
-    text is back in the composer, not lost."""
+    """Sending only submits (the service sizes the turn on its own thread, which may ask a
+    server); a refusal is shown and the text is back in the composer, not lost."""
     app, engine = fake_app(context_length=64)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
