@@ -38,7 +38,6 @@ from kvchat.engine.api import FinishReason, SamplingParams
 from kvchat.errors import KvchatError, UsageError
 from kvchat.paths import app_paths
 from kvchat.script import (
-    DraftOp,
     NewOp,
     Op,
     PauseOp,
@@ -47,6 +46,7 @@ from kvchat.script import (
     StatsOp,
     StopOp,
     SwitchOp,
+    TypeAheadOp,
     WaitOp,
     parse_script,
 )
@@ -85,7 +85,8 @@ def read_script(path_or_dash: str, stdin: TextIO | None = None) -> list[Op]:
 
 
 def reply_event(session: str, event: ReplyFinished) -> dict[str, Any]:
-    """The headless `reply` event, plus `hit_rate` and `draft_tokens` (drafts' tokens it used)."""
+    """The headless `reply` event, plus `hit_rate` and `draft_tokens` (the type-aheads' tokens
+    it used)."""
     stats = event.stats
     return {
         "event": "reply",
@@ -266,8 +267,8 @@ class _Runner:
                 self.lines[turn] = op.line
             # a script's ops run in order: the next one finds this turn started (or refused)
             service.flush()
-        elif isinstance(op, DraftOp):
-            service.draft(self.ids[op.session], op.text)
+        elif isinstance(op, TypeAheadOp):
+            service.type_ahead(self.ids[op.session], op.text)
         elif isinstance(op, PauseOp):
             time.sleep(op.seconds)
         elif isinstance(op, WaitOp):

@@ -51,8 +51,8 @@ class SayOp:
 
 
 @dataclass(frozen=True)
-class DraftOp:
-    """The user text a `say` with the same keys would send, computed ahead as a draft."""
+class TypeAheadOp:
+    """The user text a `say` with the same keys would send, computed ahead (type-ahead)."""
 
     line: int
     session: str
@@ -61,7 +61,7 @@ class DraftOp:
 
 @dataclass(frozen=True)
 class PauseOp:
-    """Sleep the script only: drafts and replies keep running."""
+    """Sleep the script only: type-aheads and replies keep running."""
 
     line: int
     seconds: float
@@ -90,7 +90,7 @@ class StatsOp:
     line: int
 
 
-Op = NewOp | SayOp | DraftOp | PauseOp | WaitOp | StopOp | SwitchOp | StatsOp
+Op = NewOp | SayOp | TypeAheadOp | PauseOp | WaitOp | StopOp | SwitchOp | StatsOp
 
 
 def _is_int(v: Any) -> bool:
@@ -247,8 +247,8 @@ def _build(op: str, obj: dict[str, Any], number: int, base_dir: Path) -> Op:
         return NewOp(number, obj["session"], obj.get("system"), obj.get("title"))
     if op in ("say", "draft"):
         text = _user_text(op, obj, number, base_dir)
-        if op == "draft":  # an empty draft ends the session's draft
-            return DraftOp(number, obj["session"], text)
+        if op == "draft":  # an empty text ends the session's type-ahead
+            return TypeAheadOp(number, obj["session"], text)
         if not text.strip():
             raise ScriptError(
                 "the message is empty (its file and text hold only whitespace); "

@@ -233,15 +233,15 @@ def test_the_default_bench_folder_is_ignored_by_git_and_the_committed_results_ar
     assert not any(ignored(str(p.relative_to(root))) for p in kept)
 
 
-def test_w7_drafts_serve_the_pasted_documents_without_changing_the_replies(bench):
+def test_w7_type_aheads_serve_the_pasted_documents_without_changing_the_replies(bench):
     _, results, _ = bench
     w7 = results["workloads"]["W7"]
     assert w7["replies_identical"] is True
     plain = w7["engines"]["no draft"]["median"]
-    drafted = w7["engines"][w7["long_pause_mode"]]["median"]
+    ahead = w7["engines"][w7["long_pause_mode"]]["median"]
     assert plain["draft_tokens"] == 0
-    assert drafted["draft_tokens"] > 0
-    assert drafted["prefilled_tokens"] + drafted["draft_tokens"] == plain["prefilled_tokens"]
+    assert ahead["draft_tokens"] > 0
+    assert ahead["prefilled_tokens"] + ahead["draft_tokens"] == plain["prefilled_tokens"]
     phase = w7["interference"]["engines"]["3 streams + a draft"]["median"]
     assert phase["gaps_alone"] > 0 and phase["gaps_drafting"] > 0
     assert any(t["workload"] == "W7" for t in results["targets"])

@@ -156,7 +156,7 @@ class CutStreamPort:
     def cancel(self, request_id: int) -> None:
         pass
 
-    def draft(self, token_ids, on_progress, *, replaces=None) -> int:
+    def type_ahead(self, token_ids, on_progress, *, replaces=None) -> int:
         return 0
 
     def prefetch(self, token_ids) -> None:

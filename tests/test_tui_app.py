@@ -249,7 +249,7 @@ async def test_what_is_typed_while_the_model_loads_is_kept_and_sent_when_asked(s
     app, _ = fake_app(tokens_per_reply=3, loaded=loaded)
     async with app.run_test(size=SIZE) as pilot:
         await typed_at_start_up(pilot, app, ["f1", "ctrl+p", "ctrl+n"])  # off until ready
-        assert isinstance(app.screen, StartupScreen) and app.screen.draft == ""
+        assert isinstance(app.screen, StartupScreen) and app.screen.typed == ""
         await pilot.press(*"early bird", *(["enter"] if send else []))
         if send:
             hint = app.screen.query_one("#startup-hint", Label)
@@ -262,7 +262,7 @@ async def test_what_is_typed_while_the_model_loads_is_kept_and_sent_when_asked(s
             assert app.chat.composer.text == ""
         else:
             assert app.chat.composer.text == "early bird" and not transcript_texts(app)[1:]
-            await pilot.press("!")  # the cursor is at the end of the draft
+            await pilot.press("!")  # the cursor is at the end of the text typed
             assert app.chat.composer.text == "early bird!"
 
 

@@ -40,10 +40,12 @@ def ready_tokens(screen: str) -> int | None:
 def test_the_ready_indicator_fills_as_text_is_pasted(tmp_path, tiny_llama_dir, terminals):
     term = terminals(tmp_path / "home", tiny_llama_dir)
     ready(term)
-    term.keys("C-n")  # a session to draft into
+    term.keys("C-n")  # a session to type into
     term.wait_text("Type a message below")
     paste(term, PART)
-    first = ready_tokens(term.wait(lambda s: bool(ready_tokens(s)), "the first paste drafted"))
+    first = ready_tokens(
+        term.wait(lambda s: bool(ready_tokens(s)), "the first paste computed ahead")
+    )
     assert first
     paste(term, PART)
     term.wait(

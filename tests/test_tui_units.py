@@ -96,7 +96,7 @@ def test_each_service_event_kind_becomes_the_message_for_its_effect_and_text_is_
         ev.ReplyFinished: (ev.ReplyFinished("s", "m", 1, "hi", None, snap), ui.FinishReply),
         ev.SessionNotice: (ev.SessionNotice("s", "note", snap), ui.ShowSessionNotice),
         ev.SessionFailed: (ev.SessionFailed("s", "no room", snap), ui.ReportSessionFailure),
-        ev.DraftChanged: (ev.DraftChanged("s", 1200, 1500), ui.ShowTokensReady),
+        ev.TypeAheadChanged: (ev.TypeAheadChanged("s", 1200, 1500), ui.ShowTokensReady),
         ev.SaveFailed: (ev.SaveFailed("disk full", 3), ui.ShowSaveFailure),
         ev.SaveRecovered: (ev.SaveRecovered(), ui.ClearSaveFailure),
     }

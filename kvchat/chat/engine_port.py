@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from kvchat.engine.api import (
-    DraftProgress,
     EngineEvent,
     EngineStats,
     GenerationRequest,
     RequestFinished,
     Residency,
     SamplingParams,
+    TypeAheadProgress,
 )
 
 Message = Mapping[str, str]  # {"role": ..., "content": ...}
@@ -71,16 +71,16 @@ class EnginePort(Protocol):
 
     def cancel(self, request_id: int) -> None: ...
 
-    def draft(
+    def type_ahead(
         self,
         token_ids: Sequence[int],
-        on_progress: Callable[[DraftProgress], None],
+        on_progress: Callable[[TypeAheadProgress], None],
         *,
         replaces: int | None = None,
     ) -> int:
         """Compute a prompt ahead at the lowest priority (type-ahead); `cancel` ends it.
 
-        `replaces` names a draft this one takes over from (cancelled; its pages stay).
+        `replaces` names a type-ahead this one takes over from (cancelled; its pages stay).
         """
         ...
 
@@ -109,17 +109,17 @@ class TurnPort(Protocol):
 
     def cancel(self, request_id: int) -> None: ...
 
-    def draft(
+    def type_ahead(
         self,
         token_ids: Sequence[int],
-        on_progress: Callable[[DraftProgress], None],
+        on_progress: Callable[[TypeAheadProgress], None],
         *,
         replaces: int | None = None,
     ) -> int:
         """Compute a prompt ahead (type-ahead); a backend that cannot returns an id and does
         nothing. `cancel` ends it.
 
-        `replaces` names a draft this one takes over from (cancelled; its pages stay).
+        `replaces` names a type-ahead this one takes over from (cancelled; its pages stay).
         """
         ...
 
@@ -157,14 +157,14 @@ class EngineTurnAdapter:
     def cancel(self, request_id: int) -> None:
         self.engine.cancel(request_id)
 
-    def draft(
+    def type_ahead(
         self,
         token_ids: Sequence[int],
-        on_progress: Callable[[DraftProgress], None],
+        on_progress: Callable[[TypeAheadProgress], None],
         *,
         replaces: int | None = None,
     ) -> int:
-        return self.engine.draft(token_ids, on_progress, replaces=replaces)
+        return self.engine.type_ahead(token_ids, on_progress, replaces=replaces)
 
     def prefetch(self, token_ids: Sequence[int]) -> None:
         self.engine.prefetch(token_ids)
@@ -216,7 +216,7 @@ class RendererPort(Protocol):
         """
         ...
 
-    def draft_ids(
+    def type_ahead_ids(
         self,
         history: Sequence[Message],
         user_text: str,

@@ -101,8 +101,8 @@ class SessionFailed:
 
 
 @dataclass(frozen=True)
-class DraftChanged:
-    """How much of the session's unsent message is computed ahead (0 of 0: no draft)."""
+class TypeAheadChanged:
+    """How much of the session's unsent message is computed ahead (0 of 0: no type-ahead)."""
 
     session_id: str
     ready_tokens: int
@@ -137,7 +137,7 @@ ChatEvent = (
     | ReplyDelta
     | ReplyFinished
     | SessionFailed
-    | DraftChanged
+    | TypeAheadChanged
     | SaveFailed
     | SaveRecovered
 )

@@ -10,7 +10,7 @@ a file of its own:
   stream, finish);
 - `history_edits.py`: create, rename, archive, delete, fork, edit-and-resend, the
   system prompt, sampling;
-- `type_ahead.py`: the draft computed while a message is typed;
+- `type_ahead.py`: the type-ahead computed while a message is typed;
 - `persistence.py`: write-behind saving, its failures, the recovery file at close;
 - `service_worker.py`: the worker thread that applies engine events and writes.
 
@@ -133,7 +133,7 @@ class SessionService:
     ) -> None:
         """Run every later turn on another engine (another model), without a restart.
 
-        Refused while a reply is under way (it belongs to the old engine). Drafts end;
+        Refused while a reply is under way (it belongs to the old engine). Type-aheads end;
         sessions computed with another model get the notice and their history rendered
         again at their next turn, as at a start with another model. The caller closes
         the old engine afterwards."""
@@ -182,10 +182,12 @@ class SessionService:
         self._worker.flush(timeout)
         with live.lock:
             live_ids = [r.request_id for r in live.runtime.values() if r.request_id is not None]
-            live_ids += [r.draft.draft_id for r in live.runtime.values() if r.draft.draft_id]
+            live_ids += [
+                r.type_ahead.request_id for r in live.runtime.values() if r.type_ahead.request_id
+            ]
             for rt in live.runtime.values():
                 rt.queue.clear()
-                rt.draft.clear()
+                rt.type_ahead.clear()
         for request_id in live_ids:
             with contextlib.suppress(Exception):
                 live.backend.engine.cancel(request_id)
@@ -373,16 +375,16 @@ class SessionService:
         resend that cannot start publishes `SessionFailed` as a say does."""
         return self._edits.edit_last_user_message(session_id, text)
 
-    def draft(self, session_id: str, text: str) -> None:
-        """Compute the user's unsent message ahead (`type_ahead.py`); "" ends the draft."""
-        self._type_ahead.draft(session_id, text)
+    def type_ahead(self, session_id: str, text: str) -> None:
+        """Compute the user's unsent message ahead (`type_ahead.py`); "" ends the type-ahead."""
+        self._type_ahead.update(session_id, text)
 
-    def end_draft(self, session_id: str) -> None:
-        """Stop computing the session's draft (its computed pages stay cached)."""
+    def end_type_ahead(self, session_id: str) -> None:
+        """Stop computing the session's type-ahead (its computed pages stay cached)."""
         self._type_ahead.end(session_id)
 
-    def draft_progress(self, session_id: str) -> tuple[int, int]:
-        """(tokens ready, tokens in the draft); (0, 0) without a draft."""
+    def type_ahead_progress(self, session_id: str) -> tuple[int, int]:
+        """(tokens ready, tokens in the type-ahead); (0, 0) without one."""
         return self._type_ahead.progress(session_id)
 
     def keep_unsent(self, session_id: str, text: str) -> None:

@@ -59,7 +59,9 @@ class TurnStats:
     ttft_s: float | None
     decode_tok_s: float | None
     error: str | None = None
-    draft_tokens: int = 0  # prompt tokens served from pages its drafts computed (in cached)
+    # prompt tokens served from pages its type-aheads computed (in cached); the name is the
+    # key stored with each message and printed by headless
+    draft_tokens: int = 0
 
     @property
     def hit_rate(self) -> float | None:

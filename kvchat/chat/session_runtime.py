@@ -2,7 +2,7 @@
 
 `PendingTurn` is one turn a caller submitted (a say, an edit-and-resend, a regenerate) waiting
 to be sized and started; `SessionRuntime` is the session's reply under way, the
-turns queued behind it, its draft and the flags a UI shows. Neither is persisted.
+turns queued behind it, its type-ahead and the flags a UI shows. Neither is persisted.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvchat.chat.drafts import SessionDraft
 from kvchat.chat.session import Message, TurnState, TurnStats
+from kvchat.chat.type_ahead_prompt import SessionTypeAhead
 from kvchat.engine.api import SamplingParams
 
 
@@ -45,7 +45,7 @@ class SessionRuntime:
     last_stats: TurnStats | None = None
     unsaved_tokens: int = 0
     last_save: float = 0.0
-    draft: SessionDraft = field(default_factory=SessionDraft)
+    type_ahead: SessionTypeAhead = field(default_factory=SessionTypeAhead)
     planning: PendingTurn | None = None  # the turn being sized now, outside the lock
     stop_at_start: bool = False  # `stop` came while the turn was sized: cancel it as it starts
 

@@ -171,7 +171,7 @@ class Turns:
         )
         if turn.waited:
             rt.queue.append(turn)
-            rt.draft.pending = None  # the text it held is sent now
+            rt.type_ahead.pending = None  # the text it held is sent now
             return turn.number, [self._live.changed(session_id)]
         self._plan_locked(session_id, rt, turn)
         return turn.number, []
@@ -297,7 +297,7 @@ class Turns:
         held)."""
         removed = _cut(session, turn.cut_at) if turn.cut_at is not None else []
         user, plan = planned.user, planned.plan
-        draft_events = self._type_ahead.end_locked(session.id)
+        type_ahead_events = self._type_ahead.end_locked(session.id)
         dropped = {m.id for m in plan.dropped}  # messages of the copy: matched by id
         for m in session.messages:
             if m.id in dropped:
@@ -313,7 +313,7 @@ class Turns:
         session.updated = time.time()
         if turn.title is not None:
             session.title = turn.title
-        events = draft_events + self._start_reply(session, turn, also=changed, removed=removed)
+        events = type_ahead_events + self._start_reply(session, turn, also=changed, removed=removed)
         if turn.title is not None:
             events.append(SessionRenamed(session.id, turn.title, self._live.snapshot(session.id)))
         return events
@@ -478,7 +478,7 @@ class Turns:
 
     def _next_locked(self, session_id: str) -> list[ChatEvent]:
         """The session's reply ended, or a turn could not start (lock held): size its next
-        queued turn, or submit the draft typed meanwhile."""
+        queued turn, or submit the type-ahead typed meanwhile."""
         rt = self._live.runtime[session_id]
         if rt.queue and rt.state == TurnState.IDLE and rt.planning is None:
             self._plan_locked(session_id, rt, rt.queue.popleft())

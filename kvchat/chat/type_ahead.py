@@ -1,10 +1,10 @@
 """`TypeAhead`: the service's side of type-ahead, computing a message while it is typed.
 
-The composer's text becomes the session's draft (`drafts.py` renders it as `say`
-would): the engine computes it at its lowest priority, so the turn that sends it
-finds those pages cached. A draft typed while the session replies waits for the
-reply's end (`SessionDraft.pending`); a turn that starts ends the draft, its pages
-staying cached. Subscribers hear `DraftChanged` as the engine computes it.
+The composer's text becomes the session's type-ahead (`type_ahead_prompt.py` renders it
+as `say` would): the engine computes it at its lowest priority, so the turn that sends
+it finds those pages cached. Text typed while the session replies waits for the reply's
+end (`SessionTypeAhead.pending`); a turn that starts ends the type-ahead, its pages
+staying cached. Subscribers hear `TypeAheadChanged` as the engine computes it.
 """
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from kvchat.chat.drafts import draft_prompt
-from kvchat.chat.events import ChatEvent, DraftChanged
+from kvchat.chat.events import ChatEvent, TypeAheadChanged
 from kvchat.chat.live_sessions import LiveSessions
 from kvchat.chat.service_worker import ServiceWorker
 from kvchat.chat.session import Session
 from kvchat.chat.session_runtime import SessionRuntime
-from kvchat.engine.api import DraftProgress, common_prefix
+from kvchat.chat.type_ahead_prompt import type_ahead_prompt
+from kvchat.engine.api import TypeAheadProgress, common_prefix
 
 log = logging.getLogger("kvchat.chat")
 
 
 class TypeAhead:
-    """Each session's draft: submitted, replaced, ended; its progress published."""
+    """Each session's type-ahead: submitted, replaced, ended; its progress published."""
 
     def __init__(self, live: LiveSessions, worker: ServiceWorker) -> None:
         self._live = live
@@ -32,12 +32,12 @@ class TypeAhead:
 
     # ------------------------------------------------------------- commands
 
-    def draft(self, session_id: str, text: str) -> None:
+    def update(self, session_id: str, text: str) -> None:
         """Compute the user's unsent message ahead, at the engine's lowest priority.
 
         Rendered exactly as `say(text)` would render it, up to the end of the text,
         so the turn that sends it finds these pages cached. Replaces the session's
-        previous draft (whose pages stay cached); an empty text ends it. While the
+        previous type-ahead (whose pages stay cached); an empty text ends it. While the
         session replies, the text waits for the reply's end.
         """
         live = self._live
@@ -47,24 +47,24 @@ class TypeAhead:
             if not text.strip():
                 events = self.end_locked(session_id)
             elif rt.busy:
-                rt.draft.pending = text
+                rt.type_ahead.pending = text
                 events = []
             else:
                 events = self.submit_locked(session, rt, text)
         live.publish(events)
 
     def end(self, session_id: str) -> None:
-        """Stop computing the session's draft (its computed pages stay cached)."""
+        """Stop computing the session's type-ahead (its computed pages stay cached)."""
         with self._live.lock:
             self._live.get(session_id)
             events = self.end_locked(session_id)
         self._live.publish(events)
 
     def progress(self, session_id: str) -> tuple[int, int]:
-        """(tokens ready, tokens in the draft); (0, 0) without a draft."""
+        """(tokens ready, tokens in the type-ahead); (0, 0) without a type-ahead."""
         with self._live.lock:
-            d = self._live.runtime[self._live.get(session_id).id].draft
-            return (d.ready, len(d.ids)) if d.draft_id is not None else (0, 0)
+            d = self._live.runtime[self._live.get(session_id).id].type_ahead
+            return (d.ready, len(d.ids)) if d.request_id is not None else (0, 0)
 
     # ------------------------------------------------------ the lock held
 
@@ -72,7 +72,7 @@ class TypeAhead:
         """Render `text` as the next turn would and hand it to the engine (lock held)."""
         backend = self._live.backend
         max_tokens = session.max_tokens or backend.default_max_tokens
-        ids = draft_prompt(
+        ids = type_ahead_prompt(
             session,
             backend.renderer,
             text,
@@ -81,51 +81,51 @@ class TypeAhead:
         )
         if ids is None:
             return self.end_locked(session.id)
-        d = rt.draft
-        if d.draft_id is not None and ids == d.ids:
+        d = rt.type_ahead
+        if d.request_id is not None and ids == d.ids:
             return []
         sid = session.id
 
-        def on_progress(event: DraftProgress) -> None:  # engine thread: hand over only
+        def on_progress(event: TypeAheadProgress) -> None:  # engine thread: hand over only
             self._worker.put(lambda: self._on_progress(sid, event))
 
         try:
-            draft_id = backend.engine.draft(ids, on_progress, replaces=d.draft_id)
-        except Exception:  # a draft is only a guess: the turn computes what it needs
-            log.exception("engine draft failed")
+            request_id = backend.engine.type_ahead(ids, on_progress, replaces=d.request_id)
+        except Exception:  # a type-ahead is only a guess: the turn computes what it needs
+            log.exception("engine type-ahead failed")
             return self.end_locked(sid)
-        d.draft_id, d.ready = draft_id, min(d.ready, common_prefix(d.ids, ids))
+        d.request_id, d.ready = request_id, min(d.ready, common_prefix(d.ids, ids))
         d.ids = ids
-        return [DraftChanged(sid, d.ready, len(ids))]
+        return [TypeAheadChanged(sid, d.ready, len(ids))]
 
     def submit_pending_locked(self, session_id: str) -> list[ChatEvent]:
-        """The session's reply ended and nothing waits behind it: submit the draft typed
+        """The session's reply ended and nothing waits behind it: submit the type-ahead typed
         meanwhile, if any (lock held)."""
         rt = self._live.runtime[session_id]
-        pending = rt.draft.pending
+        pending = rt.type_ahead.pending
         if pending is None or rt.busy:
             return []
-        rt.draft.pending = None
+        rt.type_ahead.pending = None
         return self.submit_locked(self._live.sessions[session_id], rt, pending)
 
     def end_locked(self, session_id: str) -> list[ChatEvent]:
-        """Cancel the session's draft, if any, without waiting (lock held)."""
-        d = self._live.runtime[session_id].draft
-        draft_id, had = d.draft_id, d.draft_id is not None or d.pending is not None
+        """Cancel the session's type-ahead, if any, without waiting (lock held)."""
+        d = self._live.runtime[session_id].type_ahead
+        request_id, had = d.request_id, d.request_id is not None or d.pending is not None
         d.clear()
-        if draft_id is not None:
+        if request_id is not None:
             with contextlib.suppress(Exception):
-                self._live.backend.engine.cancel(draft_id)
-        return [DraftChanged(session_id, 0, 0)] if had else []
+                self._live.backend.engine.cancel(request_id)
+        return [TypeAheadChanged(session_id, 0, 0)] if had else []
 
-    def _on_progress(self, session_id: str, event: DraftProgress) -> None:
-        """Worker thread: how much of a draft is computed now."""
+    def _on_progress(self, session_id: str, event: TypeAheadProgress) -> None:
+        """Worker thread: how much of a type-ahead is computed now."""
         with self._live.lock:
             rt = self._live.runtime.get(session_id)
-            if rt is None or rt.draft.draft_id != event.draft_id:
-                return  # a draft since replaced or ended
-            rt.draft.ready = event.ready_tokens
+            if rt is None or rt.type_ahead.request_id != event.type_ahead_id:
+                return  # a type-ahead since replaced or ended
+            rt.type_ahead.ready = event.ready_tokens
             events: list[ChatEvent] = [
-                DraftChanged(session_id, event.ready_tokens, event.total_tokens)
+                TypeAheadChanged(session_id, event.ready_tokens, event.total_tokens)
             ]
         self._live.publish(events)

@@ -41,8 +41,8 @@ from kvchat.model.tokenizer import Tokenizer
 # Stands in for the last reply's content while locating it in the rendering.
 # Private-use characters: no real reply contains them, and `trim` leaves them alone.
 _SENTINEL = "\ue000kvchat-reply\ue001"
-# Stands in for a draft's user text: the rendering is cut where it starts.
-_DRAFT_SENTINEL = "\ue000kvchat-draft\ue001"
+# Stands in for a type-ahead's user text: the rendering is cut where it starts.
+_TYPE_AHEAD_SENTINEL = "\ue000kvchat-type-ahead\ue001"
 
 
 class TurnRenderer:
@@ -89,7 +89,7 @@ class TurnRenderer:
         rest = self._continuation_text(history, new_messages, reply_ended_with_stop, stop_token_id)
         return None if rest is None else self.tokenizer.encode(rest, special=True)
 
-    def draft_ids(
+    def type_ahead_ids(
         self,
         history: Sequence[Message],
         user_text: str,
@@ -107,15 +107,15 @@ class TurnRenderer:
         them token by token and recomputes from the first that differs. None when
         the template cannot be appended to, or moves or rewrites the user's text.
         """
-        draft = [{"role": "user", "content": _DRAFT_SENTINEL}]
+        typed = [{"role": "user", "content": _TYPE_AHEAD_SENTINEL}]
         if not history or history[-1].get("role") != "assistant":
-            text = self.template.render([*history, *draft], add_generation_prompt=True)
+            text = self.template.render([*history, *typed], add_generation_prompt=True)
             head = _before_sentinel(text)
             if head is None:
                 return None
             ids = self.tokenizer.encode(head + user_text, special=True)
             return self._with_bos(text, ids)
-        rest = self._continuation_text(history, draft, reply_ended_with_stop, stop_token_id)
+        rest = self._continuation_text(history, typed, reply_ended_with_stop, stop_token_id)
         head = None if rest is None else _before_sentinel(rest)
         if head is None:
             return None
@@ -173,7 +173,7 @@ class TurnRenderer:
 
 
 def _before_sentinel(text: str) -> str | None:
-    """The text before the draft sentinel; None unless it appears once, unchanged."""
-    if text.count(_DRAFT_SENTINEL) != 1:
+    """The text before the type-ahead sentinel; None unless it appears once, unchanged."""
+    if text.count(_TYPE_AHEAD_SENTINEL) != 1:
         return None
-    return text.split(_DRAFT_SENTINEL)[0]
+    return text.split(_TYPE_AHEAD_SENTINEL)[0]

@@ -32,13 +32,13 @@ from kvchat.chat.engine_port import Turn, TurnFinished
 from kvchat.engine.api import (
     CacheCounters,
     CachedTokens,
-    DraftProgress,
     EngineEvent,
     EngineStats,
     FinishReason,
     RequestStarted,
     Residency,
     TokenGenerated,
+    TypeAheadProgress,
 )
 from kvchat.rate_window import RateWindow
 from kvchat.remote.metrics import MetricsPoller, ServerMetrics
@@ -187,14 +187,15 @@ class RemoteEngine:
             with contextlib.suppress(Exception):
                 stream.close()  # the server sees the connection close and aborts the request
 
-    def draft(
+    def type_ahead(
         self,
         token_ids: Sequence[int],
-        on_progress: Callable[[DraftProgress], None],
+        on_progress: Callable[[TypeAheadProgress], None],
         *,
         replaces: int | None = None,
     ) -> int:
-        """No type-ahead on a server (the renderer offers no draft ids); an id that does nothing."""
+        """No type-ahead on a server (its renderer offers no type-ahead ids): an id that does
+        nothing."""
         return next(self._ids)
 
     def prefetch(self, token_ids: Sequence[int]) -> None:

@@ -45,7 +45,7 @@ class RemoteRenderer:
     ) -> list[int] | None:
         return None
 
-    def draft_ids(
+    def type_ahead_ids(
         self,
         history: Sequence[Message],
         user_text: str,

@@ -24,7 +24,6 @@ from kvchat.chat.engine_port import ChatBackend
 from kvchat.engine.api import (
     CacheCounters,
     CachedTokens,
-    DraftProgress,
     EngineEvent,
     EngineStats,
     FinishReason,
@@ -35,6 +34,7 @@ from kvchat.engine.api import (
     RequestState,
     Residency,
     TokenGenerated,
+    TypeAheadProgress,
     common_prefix,
 )
 
@@ -80,7 +80,7 @@ class CharRenderer:
             out += self._message(message)
         return out + self.encode("<assistant>")
 
-    def draft_ids(
+    def type_ahead_ids(
         self,
         history: Sequence[Mapping[str, str]],
         user_text: str,
@@ -112,7 +112,7 @@ class _Live:
     generated: list[int] = field(default_factory=list)
     cancelled: bool = False
     cached: int = 0
-    draft_tokens: int = 0
+    type_ahead_tokens: int = 0
     submit_time: float = 0.0
     first_token_time: float | None = None
 
@@ -154,10 +154,11 @@ class FakeEngine:
         self.submitted: list[GenerationRequest] = []
         self.prefetched: list[tuple[int, ...]] = []
         self.cancelled_ids: list[int] = []
-        self.drafts: list[tuple[int, ...]] = []  # every draft submitted, in order
-        self.replaced_ids: list[int] = []  # drafts a later draft replaced
-        self._pending_drafts: dict[int, tuple[tuple[int, ...], Callable]] = {}
-        self._drafted: list[tuple[int, ...]] = []  # drafts computed (their tokens are cached)
+        self.type_aheads: list[tuple[int, ...]] = []  # every type-ahead submitted, in order
+        self.replaced_ids: list[int] = []  # type-aheads a later one replaced
+        self._pending_type_aheads: dict[int, tuple[tuple[int, ...], Callable]] = {}
+        # type-aheads computed (their tokens are cached)
+        self._computed_type_aheads: list[tuple[int, ...]] = []
         self._seen: list[tuple[int, ...]] = []
         self._live: list[_Live] = []
         self._next_id = 1
@@ -203,27 +204,27 @@ class FakeEngine:
             for live in self._live:
                 if live.request_id == request_id:
                     live.cancelled = True
-            self._pending_drafts.pop(request_id, None)
+            self._pending_type_aheads.pop(request_id, None)
             self._cond.notify_all()
 
-    def draft(
+    def type_ahead(
         self,
         token_ids: Sequence[int],
-        on_progress: Callable[[DraftProgress], None],
+        on_progress: Callable[[TypeAheadProgress], None],
         *,
         replaces: int | None = None,
     ) -> int:
-        """A draft is computed whole at the next step (unless cancelled first)."""
+        """A type-ahead is computed whole at the next step (unless cancelled first)."""
         with self._cond:
             if replaces is not None:
                 self.replaced_ids.append(replaces)
-                self._pending_drafts.pop(replaces, None)
-            draft_id = self._next_id
+                self._pending_type_aheads.pop(replaces, None)
+            type_ahead_id = self._next_id
             self._next_id += 1
-            self.drafts.append(tuple(token_ids))
-            self._pending_drafts[draft_id] = (tuple(token_ids), on_progress)
+            self.type_aheads.append(tuple(token_ids))
+            self._pending_type_aheads[type_ahead_id] = (tuple(token_ids), on_progress)
             self._cond.notify_all()
-        return draft_id
+        return type_ahead_id
 
     def prefetch(self, token_ids: Sequence[int]) -> None:
         with self._cond:
@@ -279,7 +280,7 @@ class FakeEngine:
                 self._cond.wait_for(
                     lambda: (
                         any(self._runnable(x) for x in self._live)
-                        or bool(self._pending_drafts)
+                        or bool(self._pending_type_aheads)
                         or not self._running
                     )
                 )
@@ -303,12 +304,12 @@ class FakeEngine:
             for live in list(self._live):
                 if self._runnable(live):
                     emit += self._advance_one(live)
-            for draft_id, (tokens, on_progress) in self._pending_drafts.items():
+            for type_ahead_id, (tokens, on_progress) in self._pending_type_aheads.items():
                 self._seen.append(tokens)
-                self._drafted.append(tokens)
+                self._computed_type_aheads.append(tokens)
                 n = len(tokens)
-                emit.append((on_progress, DraftProgress(draft_id, n, n, time.monotonic())))
-            self._pending_drafts.clear()
+                emit.append((on_progress, TypeAheadProgress(type_ahead_id, n, n, time.monotonic())))
+            self._pending_type_aheads.clear()
             self._cond.notify_all()
         for on_event, event in emit:
             on_event(event)
@@ -322,11 +323,11 @@ class FakeEngine:
             prompt = request.prompt_ids
             live.cached = max((common_prefix(prompt, s) for s in self._seen), default=0)
             live.cached = min(live.cached, len(prompt) - 1) if prompt else 0
-            # served by drafts: what they matched beyond what turns had computed
-            drafted = max((common_prefix(prompt, s) for s in self._drafted), default=0)
-            plain = [s for s in self._seen if s not in self._drafted]
+            # served by type-aheads: what they matched beyond what turns had computed
+            ahead = max((common_prefix(prompt, s) for s in self._computed_type_aheads), default=0)
+            plain = [s for s in self._seen if s not in self._computed_type_aheads]
             turns = max((common_prefix(prompt, s) for s in plain), default=0)
-            live.draft_tokens = max(0, min(drafted, live.cached) - turns)
+            live.type_ahead_tokens = max(0, min(ahead, live.cached) - turns)
             self._seen.append(tuple(prompt))
             out.append((live.on_event, RequestStarted(live.request_id, now)))
             out.append(
@@ -379,7 +380,7 @@ class FakeEngine:
             decode_tok_s=100.0 if live.generated else None,
             time=now,
             error=error,
-            draft_tokens=live.draft_tokens,
+            draft_tokens=live.type_ahead_tokens,
         )
         return (live.on_event, event)
 

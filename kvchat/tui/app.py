@@ -191,9 +191,9 @@ class KvchatApp(PanelBorderVariable, App[int]):
     def on_start_failed(self, message: StartFailed) -> None:
         self.exit_code = message.exit_code
         text = message.text
-        draft = self.screen.draft if isinstance(self.screen, StartupScreen) else ""
-        if draft.strip():  # shown, so that it can be copied: nothing typed is lost
-            text += f"\n\nWhat you typed while kvchat was starting (not sent):\n{draft}"
+        typed = self.screen.typed if isinstance(self.screen, StartupScreen) else ""
+        if typed.strip():  # shown, so that it can be copied: nothing typed is lost
+            text += f"\n\nWhat you typed while kvchat was starting (not sent):\n{typed}"
         self._replace_startup_with(FailedStartScreen(text))
 
     def _replace_startup_with(self, screen: Screen) -> None:
@@ -206,15 +206,15 @@ class KvchatApp(PanelBorderVariable, App[int]):
         """The chat screen over the new service, with what was typed while starting."""
         self.backend = message.backend
         self.service = message.service
-        draft, send_draft = "", False
+        typed, send_typed = "", False
         if isinstance(self.screen, StartupScreen):
-            draft, send_draft = self.screen.draft, self.screen.send_queued
+            typed, send_typed = self.screen.typed, self.screen.send_queued
         self.chat = ChatScreen(
             message.service,
             message.backend,
             self.keymap,
-            typed_at_start=draft,
-            send_typed=send_draft,
+            typed_at_start=typed,
+            send_typed=send_typed,
             interrupted=message.interrupted,
             switch_model=self.switch_model,
         )

@@ -2,10 +2,9 @@
 
 The screen the app shows once the model is loaded. It owns the widgets and hands each
 concept to a collaborator built with what it needs: the frame pump (`frame_pump`),
-switching (`session_switcher`), the type-ahead draft
-(`draft_sender`), each session's unsent text (`unsent_text`), attachments
-(`attaching`) and the shown session's commands (`session_actions`). What stays here
-is the layout, the key bindings, and one handler per message.
+switching (`session_switcher`), the type-ahead (`type_ahead_sender`), each session's
+unsent text (`unsent_text`), attachments (`attaching`) and the shown session's commands
+(`session_actions`). What stays here is the layout, the key bindings, and one handler per message.
 
 Threads: the service's worker thread buffers reply text and posts every other event
 here as a message named for its effect, with the snapshot the event carried
@@ -36,7 +35,6 @@ from kvchat.tui.attachment_chips import AttachmentChips
 from kvchat.tui.backend import TuiBackend
 from kvchat.tui.command_palette import chat_commands
 from kvchat.tui.composer import Composer
-from kvchat.tui.draft_sender import DraftSender
 from kvchat.tui.frame_pump import FramePump
 from kvchat.tui.guarded import guarded, log_failure, notify_bug, notify_failure
 from kvchat.tui.keys import CHAT_KEYS, bindings, keys_for
@@ -61,6 +59,7 @@ from kvchat.tui.sidebar import SessionList, SessionRow
 from kvchat.tui.stream_buffer import StreamBuffer
 from kvchat.tui.titles import NEW_TITLE, title_from
 from kvchat.tui.transcript import Transcript
+from kvchat.tui.type_ahead_sender import TypeAheadSender
 from kvchat.tui.unsent_text import UnsentText
 
 
@@ -109,14 +108,14 @@ class ChatScreen(Screen[None]):
         self.buffer = StreamBuffer()
         transcript_lock = asyncio.Lock()  # a switch's render and a tick's flush never interleave
         self.unsent = UnsentText(service, self.composer)
-        self.drafts = DraftSender(service, self.composer, self.unsent, workers=self)
+        self.type_ahead = TypeAheadSender(service, self.composer, self.unsent, workers=self)
         self.sessions = SessionSwitcher(
             service,
             sidebar=self.sidebar,
             transcript=self.transcript,
             composer=self.composer,
             unsent=self.unsent,
-            drafts=self.drafts,
+            type_ahead=self.type_ahead,
             transcript_lock=transcript_lock,
             backend=lambda: self.backend,
             on_relisted=lambda: self.frames.request_residency(all_sessions=True),
@@ -126,7 +125,7 @@ class ChatScreen(Screen[None]):
             service,
             buffer=self.buffer,
             sessions=self.sessions,
-            drafts=self.drafts,
+            type_ahead=self.type_ahead,
             sidebar=self.sidebar,
             transcript=self.transcript,
             meters=self.meters,
@@ -265,7 +264,7 @@ class ChatScreen(Screen[None]):
 
     def on_show_tokens_ready(self, message: ShowTokensReady) -> None:
         if message.session_id == self.current:
-            self.drafts.label = message.label
+            self.type_ahead.label = message.label
 
     def on_show_save_failure(self, message: ShowSaveFailure) -> None:
         self.save_banner.show_failure(message.error, message.unsaved_messages, RETRY_SAVE_S)
@@ -351,12 +350,12 @@ class ChatScreen(Screen[None]):
         if editing:
             self.composer.set_editing(False)
         else:
-            self.drafts.sent()
+            self.type_ahead.sent()
         self.composer.clear()
         try:  # only submitted: the service sizes and starts the turn on its own threads
             if editing:
                 self.service.edit_last_user_message(session_id, text)
-            else:  # ends the session's draft, keeping its pages
+            else:  # ends the session's type-ahead, keeping its pages
                 title = title_from(text) if retitle else None
                 self.service.say(session_id, text, title=title)
         except Exception as exc:  # refused at once: the message is back to fix
@@ -368,11 +367,11 @@ class ChatScreen(Screen[None]):
 
     def on_text_area_changed(self, event: TextArea.Changed) -> None:
         if event.text_area is self.composer:
-            self.drafts.edited()
+            self.type_ahead.edited()
 
     async def on_composer_attachments_changed(self, _message: Composer.AttachmentsChanged) -> None:
         await self.attachments.changed()
-        self.drafts.edited()  # the message changed: computed ahead anew
+        self.type_ahead.edited()  # the message changed: computed ahead anew
 
     def on_attachment_chips_remove_requested(
         self, message: AttachmentChips.RemoveRequested

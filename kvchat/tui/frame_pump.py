@@ -23,13 +23,13 @@ from kvchat.chat.session import SessionView, TurnState
 from kvchat.engine.api import Residency
 from kvchat.errors import KvchatError
 from kvchat.tui.backend import TuiBackend
-from kvchat.tui.draft_sender import DraftSender
 from kvchat.tui.messages import ResidencyReady
 from kvchat.tui.meters import Meters
 from kvchat.tui.session_switcher import SessionSwitcher
 from kvchat.tui.sidebar import LEGEND, REMOTE_LEGEND, SessionList
 from kvchat.tui.stream_buffer import StreamBuffer
 from kvchat.tui.transcript import Transcript
+from kvchat.tui.type_ahead_sender import TypeAheadSender
 
 FLUSH_HZ = 20
 METERS_HZ = 4
@@ -46,7 +46,7 @@ class FramePump:
         *,
         buffer: StreamBuffer,
         sessions: SessionSwitcher,
-        drafts: DraftSender,
+        type_ahead: TypeAheadSender,
         sidebar: SessionList,
         transcript: Transcript,
         meters: Meters,
@@ -57,7 +57,7 @@ class FramePump:
         self.service = service
         self.buffer = buffer
         self.sessions = sessions
-        self.drafts = drafts
+        self.type_ahead = type_ahead
         self.sidebar = sidebar
         self.transcript = transcript
         self.meters = meters
@@ -107,7 +107,7 @@ class FramePump:
                     rows[session_id].set_residency(residency)
         if time.monotonic() - self._meters_at >= 1 / METERS_HZ:
             self.tick_meters()
-        self.drafts.tick(self.sessions.current)
+        self.type_ahead.tick(self.sessions.current)
         await self.flush_replies()
 
     async def flush_replies(self) -> None:

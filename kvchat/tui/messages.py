@@ -69,7 +69,7 @@ class ResidencyReady(Message):
 
 
 class ShowTokensReady(Message):
-    """A session's draft moved: the composer's "N tokens ready" (None: no draft)."""
+    """A session's type-ahead moved: the composer's "N tokens ready" (None: none)."""
 
     def __init__(self, session_id: str, label: str | None) -> None:
         super().__init__()

@@ -38,7 +38,7 @@ class StartupScreen(Screen[None]):
     def __init__(self, keymap: Mapping[str, str] | None = None) -> None:
         super().__init__()
         self.keymap = keymap
-        self.send_queued = False  # the user sent the draft: send it once ready
+        self.send_queued = False  # the user sent what they typed: send it once ready
 
     def compose(self) -> ComposeResult:
         with Vertical(id="startup"):
@@ -52,7 +52,7 @@ class StartupScreen(Screen[None]):
         self.query_one(Log).write_line(line)
 
     @property
-    def draft(self) -> str:
+    def typed(self) -> str:
         """What the user typed here so far ("" before the screen has composed)."""
         composers = self.query("#startup-composer").results(Composer)
         return next((composer.text for composer in composers), "")

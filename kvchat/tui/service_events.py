@@ -7,7 +7,7 @@ message named for its effect:
 
 | event | message |
 |---|---|
-| `DraftChanged` | `ShowTokensReady` |
+| `TypeAheadChanged` | `ShowTokensReady` |
 | `SaveFailed` / `SaveRecovered` | `ShowSaveFailure` / `ClearSaveFailure` |
 | `SessionCreated`, `SessionArchived`, `SessionDeleted` | `RelistSessions` |
 | `SessionFailed` | `ReportSessionFailure` |
@@ -28,7 +28,6 @@ from textual.message import Message
 
 from kvchat.chat.events import (
     ChatEvent,
-    DraftChanged,
     ReplyDelta,
     ReplyFinished,
     ReplyStarted,
@@ -41,6 +40,7 @@ from kvchat.chat.events import (
     SessionFailed,
     SessionNotice,
     SessionRenamed,
+    TypeAheadChanged,
 )
 from kvchat.tui.messages import (
     ClearSaveFailure,
@@ -58,7 +58,7 @@ from kvchat.tui.type_ahead import ready_label
 
 def message_for(event: ChatEvent) -> Message:
     """The UI message for a service event other than a reply delta."""
-    if isinstance(event, DraftChanged):
+    if isinstance(event, TypeAheadChanged):
         return ShowTokensReady(
             event.session_id, ready_label(event.ready_tokens, event.total_tokens)
         )

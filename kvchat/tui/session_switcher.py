@@ -3,7 +3,7 @@
 A switch renders the chosen session at once from the service's snapshot and prefetches
 its pages in a thread worker, so it never waits for the engine. Each session has its
 own composer text (`UnsentText`): the one left keeps what was typed for it, the one
-chosen gets its own back. Switching away ends the left session's draft.
+chosen gets its own back. Switching away ends the left session's type-ahead.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from kvchat.chat.session import SessionSnapshot, SessionView, TurnState
 from kvchat.errors import KvchatError
 from kvchat.tui.backend import TuiBackend
 from kvchat.tui.composer import Composer
-from kvchat.tui.draft_sender import DraftSender
 from kvchat.tui.sidebar import SessionList
 from kvchat.tui.titles import NEW_TITLE
 from kvchat.tui.transcript import Transcript
+from kvchat.tui.type_ahead_sender import TypeAheadSender
 from kvchat.tui.unsent_text import UnsentText
 
 
@@ -37,7 +37,7 @@ class SessionSwitcher:
         transcript: Transcript,
         composer: Composer,
         unsent: UnsentText,
-        drafts: DraftSender,
+        type_ahead: TypeAheadSender,
         transcript_lock: asyncio.Lock,
         backend: Callable[[], TuiBackend],
         on_relisted: Callable[[], None],
@@ -48,7 +48,7 @@ class SessionSwitcher:
         self.transcript = transcript
         self.composer = composer
         self.unsent = unsent
-        self.drafts = drafts
+        self.type_ahead = type_ahead
         self.transcript_lock = transcript_lock  # the frame pump appends under it too
         self.backend = backend  # the one serving now (a model switch replaces it)
         self.on_relisted = on_relisted  # the sidebar was rebuilt (residency is read anew)
@@ -134,7 +134,7 @@ class SessionSwitcher:
         leaving = self.current if self.current != session_id else None
         if leaving is not None:
             self.unsent.keep(leaving)
-            self.drafts.leave(leaving)  # its pages stay cached
+            self.type_ahead.leave(leaving)  # its pages stay cached
         self.current = session_id
         self.sidebar.set_current(session_id)
         self.composer.set_editing(False)
@@ -142,7 +142,7 @@ class SessionSwitcher:
             self.composer.load_message(self.unsent.of(session_id))
             self.composer.move_cursor(self.composer.document.end)
             if self.composer.message:
-                self.drafts.edited()  # computed ahead again
+                self.type_ahead.edited()  # computed ahead again
         async with self.transcript_lock:
             snapshot = self.service.snapshot(session_id) if session_id else None
             self.shown_taken = snapshot.taken if snapshot else 0

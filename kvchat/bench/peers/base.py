@@ -34,7 +34,7 @@ class TurnResult:
     new_tokens: int  # prompt tokens not in the session's previous prompt + reply
     generated_tokens: int
     engine_ttft_s: float | None = None  # the engine's own submit -> first token, when it has one
-    draft_tokens: int = 0  # prompt tokens served from pages drafts computed (kvchat only)
+    draft_tokens: int = 0  # prompt tokens served from type-aheads' pages (kvchat only)
     text: str = ""  # the reply
     cached_disk_tokens: int = 0  # prompt tokens read back from kvchat's disk tier
 

@@ -100,9 +100,9 @@ class KvchatChat:
         self.sessions.append(session_id)
         return session_id
 
-    def draft(self, session: object, text: str) -> None:
+    def type_ahead(self, session: object, text: str) -> None:
         """The user's unsent message, computed ahead (type-ahead) while `pause` steps."""
-        self.service.draft(str(session), text)
+        self.service.type_ahead(str(session), text)
 
     def pause(self, seconds: float) -> None:
         """Let `seconds` pass as a person typing would, stepping the engine meanwhile."""

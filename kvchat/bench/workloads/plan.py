@@ -33,7 +33,7 @@ class BenchPlan:
     w7_pause_s: float = 8.0  # a 40-character question typed at 5 characters a second
     w7_short_pause_s: float = 2.0
     w7_answer_tokens: int = 32
-    w7_window_tokens: int = 400  # streams' tokens at most while the draft is computed
+    w7_window_tokens: int = 400  # streams' tokens at most while the type-ahead is computed
     w5_doc_tokens: int = 6000
     w6_sessions: int = 16
     w6_doc_tokens: int = 4000

@@ -1,7 +1,7 @@
-"""A draft renders exactly as its turn would, up to the end of the user's text.
+"""A type-ahead renders exactly as its turn would, up to the end of the user's text.
 
-The submitted turn must extend the draft's ids, so the pages the draft computed
-are the turn's own prefix; only a word still growing at the draft's end may
+The submitted turn must extend the type-ahead's ids, so the pages the type-ahead computed
+are the turn's own prefix; only a word still growing at the type-ahead's end may
 tokenize differently, and only there may the ids differ.
 """
 
@@ -39,20 +39,20 @@ def _common(a: list[int], b: list[int]) -> int:
 
 
 @pytest.mark.parametrize("style", ["chatml", "llama3"])
-def test_first_turn_draft_is_a_prefix_of_the_turns_prompt(
+def test_first_turn_type_ahead_is_a_prefix_of_the_turns_prompt(
     tmp_path: Path, style: Literal["chatml", "llama3"]
 ) -> None:
     renderer = _renderer(tmp_path, style)
     text = f"{DOCUMENT}\n\n{QUESTION}"
-    draft = renderer.draft_ids([], text, reply_ended_with_stop=False)
+    ahead = renderer.type_ahead_ids([], text, reply_ended_with_stop=False)
     turn = renderer.prompt_ids([{"role": "user", "content": text}])
-    assert draft is not None and len(draft) < len(turn)
-    assert turn[: len(draft)] == draft
-    assert renderer.tokenizer.decode(draft).endswith(QUESTION)
+    assert ahead is not None and len(ahead) < len(turn)
+    assert turn[: len(ahead)] == ahead
+    assert renderer.tokenizer.decode(ahead).endswith(QUESTION)
 
 
 @pytest.mark.parametrize("style", ["chatml", "llama3"])
-def test_follow_up_draft_is_a_prefix_of_the_continuation(
+def test_follow_up_type_ahead_is_a_prefix_of_the_continuation(
     tmp_path: Path, style: Literal["chatml", "llama3"]
 ) -> None:
     renderer = _renderer(tmp_path, style)
@@ -60,26 +60,26 @@ def test_follow_up_draft_is_a_prefix_of_the_continuation(
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello! How can I help?"},
     ]
-    draft = renderer.draft_ids(history, QUESTION, reply_ended_with_stop=True)
+    ahead = renderer.type_ahead_ids(history, QUESTION, reply_ended_with_stop=True)
     cont = renderer.continuation_ids(
         history, [{"role": "user", "content": QUESTION}], reply_ended_with_stop=True
     )
-    assert draft is not None and cont is not None
-    assert cont[: len(draft)] == draft and len(cont) > len(draft)
+    assert ahead is not None and cont is not None
+    assert cont[: len(ahead)] == ahead and len(cont) > len(ahead)
 
 
-def test_a_growing_draft_differs_only_in_its_last_tokens(tmp_path: Path) -> None:
+def test_a_growing_type_ahead_differs_only_in_its_last_tokens(tmp_path: Path) -> None:
     renderer = _renderer(tmp_path, "chatml")
     full = f"{DOCUMENT}\n\n{QUESTION}"
     turn = renderer.prompt_ids([{"role": "user", "content": full}])
     for cut in range(len(DOCUMENT), len(full)):
-        draft = renderer.draft_ids([], full[:cut], reply_ended_with_stop=False)
-        assert draft is not None
+        ahead = renderer.type_ahead_ids([], full[:cut], reply_ended_with_stop=False)
+        assert ahead is not None
         # the text typed so far is the turn's, except at most its last word
-        assert _common(draft, turn) >= len(draft) - 3
+        assert _common(ahead, turn) >= len(ahead) - 3
 
 
-def test_a_template_that_rewrites_history_gives_no_draft(tmp_path: Path) -> None:
+def test_a_template_that_rewrites_history_gives_no_type_ahead(tmp_path: Path) -> None:
     write_tiny_tokenizer(tmp_path, "chatml")
     tok = Tokenizer.from_folder(tmp_path)
     renderer = TurnRenderer(
@@ -89,4 +89,4 @@ def test_a_template_that_rewrites_history_gives_no_draft(tmp_path: Path) -> None
         {"role": "user", "content": "2+2?"},
         {"role": "assistant", "content": "<think>easy</think>4"},
     ]
-    assert renderer.draft_ids(history, "3+3?", reply_ended_with_stop=True) is None
+    assert renderer.type_ahead_ids(history, "3+3?", reply_ended_with_stop=True) is None

@@ -1,4 +1,4 @@
-"""The session layer's drafts: rendered as the turn will be, replaced, ended, held while busy."""
+"""Session-layer type-ahead: rendered as the turn will be, replaced, ended, held while busy."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvchat.chat.events import DraftChanged, ReplyFinished
+from kvchat.chat.events import ReplyFinished, TypeAheadChanged
 from kvchat.chat.service import SessionService
 from kvchat.chat.store import Store
 from kvchat.testing.fake_engine import CharRenderer, FakeEngine
@@ -42,62 +42,65 @@ def wait_for(condition, service: SessionService, timeout: float = 10.0) -> None:
     raise AssertionError("condition not met in time")
 
 
-def test_first_turn_draft_is_the_prefix_of_the_turns_prompt(chat) -> None:
+def test_first_turn_type_ahead_is_the_prefix_of_the_turns_prompt(chat) -> None:
     service, engine, events = chat
     sid = service.create_session("a", system="be brief")
-    service.draft(sid, "a long document")
-    wait_for(lambda: service.draft_progress(sid) == (len(engine.drafts[0]),) * 2, service)
+    service.type_ahead(sid, "a long document")
+    wait_for(lambda: service.type_ahead_progress(sid) == (len(engine.type_aheads[0]),) * 2, service)
     service.say(sid, "a long document, and a question")
     assert service.wait_idle(sid, timeout=10)
     (prompt,) = [r.prompt_ids for r in engine.submitted]
-    (draft,) = engine.drafts
-    assert prompt[: len(draft)] == draft
+    (ahead,) = engine.type_aheads
+    assert prompt[: len(ahead)] == ahead
     finished = [e for e in events if isinstance(e, ReplyFinished)]
-    assert finished[-1].stats.draft_tokens == len(draft)
-    assert service.draft_progress(sid) == (0, 0)  # the say ended the draft
+    assert finished[-1].stats.draft_tokens == len(ahead)
+    assert service.type_ahead_progress(sid) == (0, 0)  # the say ended the type-ahead
 
 
-def test_follow_up_draft_extends_the_stored_ids(chat) -> None:
+def test_follow_up_type_ahead_extends_the_stored_ids(chat) -> None:
     service, engine, _ = chat
     sid = service.create_session("a")
     service.say(sid, "hello")
     assert service.wait_idle(sid, timeout=10)
     stored = service.token_ids(sid)
-    service.draft(sid, "and then")
-    wait_for(lambda: len(engine.drafts) == 1, service)
+    service.type_ahead(sid, "and then")
+    wait_for(lambda: len(engine.type_aheads) == 1, service)
     service.say(sid, "and then some")
     assert service.wait_idle(sid, timeout=10)
-    draft = engine.drafts[0]
-    assert draft[: len(stored)] == stored
-    assert engine.submitted[-1].prompt_ids[: len(draft)] == draft
+    ahead = engine.type_aheads[0]
+    assert ahead[: len(stored)] == stored
+    assert engine.submitted[-1].prompt_ids[: len(ahead)] == ahead
 
 
-def test_a_new_draft_replaces_the_old_and_the_same_text_is_not_sent_again(chat) -> None:
+def test_a_new_type_ahead_replaces_the_old_and_the_same_text_is_not_sent_again(chat) -> None:
     service, engine, events = chat
     sid = service.create_session("a")
-    service.draft(sid, "one")
-    service.draft(sid, "one")
-    service.draft(sid, "one two")
-    wait_for(lambda: service.draft_progress(sid)[0] == service.draft_progress(sid)[1] > 0, service)
-    assert [len(d) for d in engine.drafts] == [len(engine.drafts[0]), len(engine.drafts[0]) + 4]
+    service.type_ahead(sid, "one")
+    service.type_ahead(sid, "one")
+    service.type_ahead(sid, "one two")
+    progress = service.type_ahead_progress
+    wait_for(lambda: progress(sid)[0] == progress(sid)[1] > 0, service)
+    first = len(engine.type_aheads[0])
+    assert [len(d) for d in engine.type_aheads] == [first, first + 4]
     assert any(
-        isinstance(e, DraftChanged) and e.total_tokens == len(engine.drafts[1]) for e in events
+        isinstance(e, TypeAheadChanged) and e.total_tokens == len(engine.type_aheads[1])
+        for e in events
     )
 
 
-def test_an_empty_text_or_end_draft_cancels_the_engine_draft(chat) -> None:
+def test_an_empty_text_or_end_type_ahead_cancels_the_engine_type_ahead(chat) -> None:
     service, engine, events = chat
     sid = service.create_session("a")
-    service.draft(sid, "something")
-    service.draft(sid, "   ")
-    assert service.draft_progress(sid) == (0, 0)
-    service.draft(sid, "again")
-    service.end_draft(sid)
+    service.type_ahead(sid, "something")
+    service.type_ahead(sid, "   ")
+    assert service.type_ahead_progress(sid) == (0, 0)
+    service.type_ahead(sid, "again")
+    service.end_type_ahead(sid)
     assert len(engine.cancelled_ids) == 2
-    assert events[-1] == DraftChanged(sid, 0, 0)
+    assert events[-1] == TypeAheadChanged(sid, 0, 0)
 
 
-def test_a_draft_while_replying_waits_for_the_reply_to_end() -> None:
+def test_a_type_ahead_while_replying_waits_for_the_reply_to_end() -> None:
     engine = FakeEngine(manual=True, tokens_per_reply=3)
     renderer = CharRenderer()
     service = SessionService(
@@ -107,19 +110,19 @@ def test_a_draft_while_replying_waits_for_the_reply_to_end() -> None:
         sid = service.create_session("a")
         service.say(sid, "first")
         service.flush(5)  # sized and started: the session replies
-        service.draft(sid, "second, typed while the reply streams")
-        assert engine.drafts == []
+        service.type_ahead(sid, "second, typed while the reply streams")
+        assert engine.type_aheads == []
         while service.session(sid).state != "idle":
             engine.advance(1)
             service.flush(5)
-        wait_for(lambda: len(engine.drafts) == 1, service)
-        assert engine.drafts[0][: len(service.token_ids(sid))] == service.token_ids(sid)
+        wait_for(lambda: len(engine.type_aheads) == 1, service)
+        assert engine.type_aheads[0][: len(service.token_ids(sid))] == service.token_ids(sid)
     finally:
         service.close()
         engine.close()
 
 
-def test_a_template_that_cannot_be_appended_to_gives_no_draft() -> None:
+def test_a_template_that_cannot_be_appended_to_gives_no_type_ahead() -> None:
     engine = FakeEngine()
     renderer = CharRenderer(rewrites_history=True)
     service = SessionService(
@@ -127,8 +130,8 @@ def test_a_template_that_cannot_be_appended_to_gives_no_draft() -> None:
     )
     try:
         sid = service.create_session("a")
-        service.draft(sid, "text")
-        assert engine.drafts == [] and service.draft_progress(sid) == (0, 0)
+        service.type_ahead(sid, "text")
+        assert engine.type_aheads == [] and service.type_ahead_progress(sid) == (0, 0)
     finally:
         service.close()
         engine.close()

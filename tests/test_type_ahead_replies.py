@@ -1,10 +1,10 @@
-"""Nothing a draft held changes the answer: the real model in float32, greedy.
+"""Nothing a type-ahead held changes the answer: the real model in float32, greedy.
 
-Each conversation runs on a fresh engine (nothing cached) with and without drafts
+Each conversation runs on a fresh engine (nothing cached) with and without type-aheads
 of every kind: extended as typed, edited in the middle, shortened, replaced by
 other text, cancelled part way, evicted before the turn, ending inside a word and
 across page boundaries (16-token pages). The stored ids (prompt and reply) must
-be identical, and a draft that survived must have served part of the prompt.
+be identical, and a type-ahead that survived must have served part of the prompt.
 """
 
 from __future__ import annotations
@@ -60,11 +60,11 @@ class Chat:
         )
         self.sid = self.service.create_session("t")
 
-    def draft(self, text: str, *, wait: bool = True) -> None:
-        self.service.draft(self.sid, text)
+    def type_ahead(self, text: str, *, wait: bool = True) -> None:
+        self.service.type_ahead(self.sid, text)
         while wait:
             self.service.flush(5)
-            ready, total = self.service.draft_progress(self.sid)
+            ready, total = self.service.type_ahead_progress(self.sid)
             if total and ready == total:
                 return
             threading.Event().wait(0.02)
@@ -96,7 +96,7 @@ def run(model, before: Callable[[Chat], None], text: str = TEXT, **engine_kw):
 
 @pytest.fixture(scope="module")
 def plain(smollm_fp32) -> dict[str, tuple[int, ...]]:
-    """Each text's ids after its turn with no draft at all."""
+    """Each text's ids after its turn with no type-ahead at all."""
     out = {}
     for text in (TEXT, f"{EDITED}\n\n{QUESTION}"):
         ids, stats = run(smollm_fp32, lambda _c: None, text)
@@ -105,74 +105,74 @@ def plain(smollm_fp32) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def test_a_draft_typed_ahead_gives_the_same_reply_and_serves_the_prompt(smollm_fp32, plain):
-    ids, stats = run(smollm_fp32, lambda c: c.draft(f"{DOC}\n\nWhat does the func"))
+def test_a_type_ahead_gives_the_same_reply_and_serves_the_prompt(smollm_fp32, plain):
+    ids, stats = run(smollm_fp32, lambda c: c.type_ahead(f"{DOC}\n\nWhat does the func"))
     assert ids == plain[TEXT]
-    # the draft ends inside a word ("func"): everything before it was served
+    # the type-ahead ends inside a word ("func"): everything before it was served
     assert stats.draft_tokens >= stats.prompt_tokens - 16
     assert stats.draft_tokens <= stats.cached_tokens.device
 
 
-def test_a_draft_edited_in_the_middle_gives_the_same_reply(smollm_fp32, plain):
+def test_a_type_ahead_edited_in_the_middle_gives_the_same_reply(smollm_fp32, plain):
     text = f"{EDITED}\n\n{QUESTION}"
-    ids, stats = run(smollm_fp32, lambda c: c.draft(TEXT), text)
+    ids, stats = run(smollm_fp32, lambda c: c.type_ahead(TEXT), text)
     assert ids == plain[text]
     assert 0 < stats.draft_tokens < stats.prompt_tokens // 2  # only what came before the edit
 
 
-def test_a_draft_longer_than_the_message_sent_gives_the_same_reply(smollm_fp32, plain):
-    ids, stats = run(smollm_fp32, lambda c: c.draft(f"{TEXT} And why is it so slow here?"))
+def test_a_type_ahead_longer_than_the_message_sent_gives_the_same_reply(smollm_fp32, plain):
+    ids, stats = run(smollm_fp32, lambda c: c.type_ahead(f"{TEXT} And why is it so slow here?"))
     assert ids == plain[TEXT]
     assert stats.draft_tokens > 0
 
 
-def test_a_replaced_draft_gives_the_same_reply(smollm_fp32, plain):
-    def drafts(chat: Chat) -> None:
-        chat.draft("Tell me a story about a lighthouse keeper and his cat.")
-        chat.draft(f"{DOC}\n\nWhat")
+def test_a_replaced_type_ahead_gives_the_same_reply(smollm_fp32, plain):
+    def type_aheads(chat: Chat) -> None:
+        chat.type_ahead("Tell me a story about a lighthouse keeper and his cat.")
+        chat.type_ahead(f"{DOC}\n\nWhat")
 
-    ids, stats = run(smollm_fp32, drafts)
+    ids, stats = run(smollm_fp32, type_aheads)
     assert ids == plain[TEXT]
     assert stats.draft_tokens > 0
 
 
-def test_a_cancelled_draft_gives_the_same_reply(smollm_fp32, plain):
+def test_a_cancelled_type_ahead_gives_the_same_reply(smollm_fp32, plain):
     def cancelled(chat: Chat) -> None:
-        chat.draft(TEXT, wait=False)
-        chat.service.end_draft(chat.sid)
+        chat.type_ahead(TEXT, wait=False)
+        chat.service.end_type_ahead(chat.sid)
 
     ids, _ = run(smollm_fp32, cancelled)
     assert ids == plain[TEXT]
 
 
-def test_a_draft_evicted_before_its_turn_gives_the_same_reply(smollm_fp32, plain):
+def test_a_type_ahead_evicted_before_its_turn_gives_the_same_reply(smollm_fp32, plain):
     def evicted(chat: Chat) -> None:
-        chat.draft(TEXT)
+        chat.type_ahead(TEXT)
         other = chat.service.create_session("other")
         chat.say("Write a long list of every fruit you know, one per line, with colours.", other)
 
     page = small_engine(smollm_fp32, page_size=16)
     pages_bytes = page.store.page_bytes()
     page.close()
-    # room for the turn (and the other session's turn) but not for both and the draft
+    # room for the turn (and the other session's turn) but not for both and the type-ahead
     ids, stats = run(smollm_fp32, evicted, device_cache_bytes=16 * pages_bytes, host_cache_bytes=0)
     assert ids == plain[TEXT]
     assert stats.draft_tokens < stats.prompt_tokens - 16
 
 
-def test_a_follow_up_draft_gives_the_same_reply(smollm_fp32):
-    def conversation(with_draft: bool) -> tuple[tuple[int, ...], TurnStats]:
+def test_a_follow_up_type_ahead_gives_the_same_reply(smollm_fp32):
+    def conversation(with_type_ahead: bool) -> tuple[tuple[int, ...], TurnStats]:
         chat = Chat(smollm_fp32)
         try:
             chat.say(TEXT)
-            if with_draft:
-                chat.draft("Name the oth")
+            if with_type_ahead:
+                chat.type_ahead("Name the oth")
             stats = chat.say(FOLLOW_UP)
             return chat.ids(), stats
         finally:
             chat.close()
 
     without, _ = conversation(False)
-    with_draft, stats = conversation(True)
-    assert with_draft == without
+    with_type_ahead, stats = conversation(True)
+    assert with_type_ahead == without
     assert stats.draft_tokens > 0

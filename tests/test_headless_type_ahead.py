@@ -15,7 +15,9 @@ def _home(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
 
 
-def test_a_draft_then_a_say_that_extends_it_reuses_the_drafts_tokens(tmp_path: Path) -> None:
+def test_a_type_ahead_then_a_say_that_extends_it_reuses_the_type_aheads_tokens(
+    tmp_path: Path,
+) -> None:
     (tmp_path / "doc.txt").write_text("DOCUMENT")
     code, events, errors, engine, _ = run(
         tmp_path,
@@ -30,18 +32,18 @@ def test_a_draft_then_a_say_that_extends_it_reuses_the_drafts_tokens(tmp_path: P
         ],
     )
     assert code == 0 and errors == []
-    # a draft prints no reply event; every reply carries draft_tokens
+    # a type-ahead prints no reply event; every reply carries draft_tokens
     replies = {r["session"]: r for r in events if r["event"] == "reply"}
     assert sorted(replies) == ["a", "b"] and len(events) == 2
-    (draft,) = engine.drafts
-    expected = CharRenderer().draft_ids([], "DOCUMENT\n\nWhat is", reply_ended_with_stop=False)
-    assert list(draft) == expected  # the file's text, a blank line, then the text
-    assert replies["a"]["draft_tokens"] == len(draft)
+    (ahead,) = engine.type_aheads
+    expected = CharRenderer().type_ahead_ids([], "DOCUMENT\n\nWhat is", reply_ended_with_stop=False)
+    assert list(ahead) == expected  # the file's text, a blank line, then the text
+    assert replies["a"]["draft_tokens"] == len(ahead)
     assert replies["a"]["draft_tokens"] <= replies["a"]["cached_tokens"]["device"]
     assert replies["b"]["draft_tokens"] == 0
 
 
-def test_a_later_draft_replaces_the_earlier_one(tmp_path: Path) -> None:
+def test_a_later_type_ahead_replaces_the_earlier_one(tmp_path: Path) -> None:
     engine = FakeEngine(manual=True)
     code, events, errors, engine, _ = run(
         tmp_path,
@@ -53,8 +55,8 @@ def test_a_later_draft_replaces_the_earlier_one(tmp_path: Path) -> None:
         engine=engine,
     )
     assert code == 0 and errors == [] and events == []
-    assert len(engine.drafts) == 2 and engine.replaced_ids == [1]
-    assert engine.cancelled_ids == [2]  # the end of the script ends the live draft
+    assert len(engine.type_aheads) == 2 and engine.replaced_ids == [1]
+    assert engine.cancelled_ids == [2]  # the end of the script ends the live type-ahead
 
 
 @pytest.mark.parametrize(
@@ -69,7 +71,7 @@ def test_a_later_draft_replaces_the_earlier_one(tmp_path: Path) -> None:
         ('{"op": "pause", "seconds": "2"}', "'seconds' must be"),
     ],
 )
-def test_bad_draft_and_pause_lines_are_refused_before_anything_runs(
+def test_bad_type_ahead_and_pause_lines_are_refused_before_anything_runs(
     tmp_path: Path, line: str, message: str
 ) -> None:
     lines = [{"op": "new", "session": "a"}, {"op": "pause", "seconds": 0}, "", line]
