@@ -132,15 +132,3 @@ def test_pages_only_type_aheads_computed_are_evicted_before_any_turns(tiny) -> N
         # the first turn survived; the type-ahead lost its deepest pages
         assert engine.residency(turn).device == len(turn)
         assert engine.residency(ids(5 * page, 120)).device < 5 * page
-
-
-def test_the_old_names_still_start_a_type_ahead(tiny) -> None:
-    """`Engine.draft`, `DraftProgress` and `draft_id` are kept for the layers above."""
-    from kvchat.engine.api import DraftProgress, TypeAheadProgress
-
-    assert DraftProgress is TypeAheadProgress
-    with small_engine(tiny) as engine:
-        progress = Progress()
-        ahead_id = engine.draft(ids(40), progress)
-        done = progress.wait_done()
-        assert (done.draft_id, done.type_ahead_id, done.ready_tokens) == (ahead_id, ahead_id, 40)

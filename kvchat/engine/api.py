@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from kvchat.engine.events import (
     CachedTokens,
-    DraftProgress,
     EngineEvent,
     PrefillProgress,
     RequestFinished,
@@ -35,7 +34,6 @@ __all__ = [
     "TIERS",
     "CacheCounters",
     "CachedTokens",
-    "DraftProgress",
     "EngineEvent",
     "EngineStats",
     "Evictions",

@@ -225,16 +225,6 @@ class Engine:
         self._wake.set()
         return seq_id
 
-    def draft(
-        self,
-        token_ids: Seq[int],
-        on_progress: Callable[[TypeAheadProgress], None],
-        *,
-        replaces: int | None = None,
-    ) -> int:
-        """The old name of `type_ahead`."""
-        return self.type_ahead(token_ids, on_progress, replaces=replaces)
-
     def cancel(self, request_id: int) -> None:
         with self._lock:
             self._cancels.add(request_id)

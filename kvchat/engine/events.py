@@ -92,14 +92,5 @@ class TypeAheadProgress:
     def done(self) -> bool:
         return self.ready_tokens >= self.total_tokens
 
-    @property
-    def draft_id(self) -> int:
-        """The old name of `type_ahead_id`."""
-        return self.type_ahead_id
-
-
-DraftProgress = TypeAheadProgress
-"""The old name of `TypeAheadProgress`."""
-
 
 EngineEvent = RequestStarted | PrefillProgress | TokenGenerated | RequestFinished
