@@ -1,4 +1,5 @@
-"""kvchat's logits for the parity tests: the relative error, and a forward paged or not."""
+"""The parity tests' tools: kvchat's logits (a forward paged or not), transformers' (the
+oracle), the relative error between them, and seeded token ids."""
 
 from __future__ import annotations
 
@@ -32,3 +33,21 @@ def kvchat_logits(model, ids: list[int], *, paged: bool, page_size: int = 16) ->
         attention.prepare(batch, [page_list])
         out.append(t.forward(batch, attention))
     return torch.cat(out)
+
+
+def hf_model(folder, dtype=torch.float32):
+    """transformers' model of a folder: the oracle of the family tests."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+
+def hf_logits(folder, ids: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """transformers' logits [n, vocab] at every position of `ids`, in float32."""
+    with torch.no_grad():
+        return hf_model(folder, dtype)(ids[None]).logits[0].float()
+
+
+def random_ids(n: int, seed: int, low: int = 0) -> torch.Tensor:
+    """`n` seeded token ids below 512 (the tiny models' vocabulary), from `low`."""
+    return torch.randint(low, 512, (n,), generator=torch.Generator().manual_seed(seed))

@@ -18,28 +18,13 @@ from kvchat.errors import ModelLoadError, UsageError
 from kvchat.model.config import ModelConfig
 from kvchat.model.loader import load_model
 from tests.engine_helpers import Collector, generate, small_engine
-from tests.parity_helpers import kvchat_logits, rel_err
+from tests.parity_helpers import hf_logits, hf_model, kvchat_logits, random_ids, rel_err
 from tests.tiny_models import GEMMA3_WINDOW, write_tiny_model
 
 
 @pytest.fixture(scope="module")
 def gemma_folder(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("gemma3"), "gemma3_text")
-
-
-def hf_model(folder, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-
-
-def hf_logits(folder, ids: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(folder, dtype)(ids[None]).logits[0].float()
-
-
-def random_ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_config_reads_the_layer_pattern_and_both_rotary_bases(gemma_folder):
@@ -53,7 +38,7 @@ def test_config_reads_the_layer_pattern_and_both_rotary_bases(gemma_folder):
 @pytest.mark.parametrize("paged", [False, True])
 def test_logits_match_transformers_fp32_beyond_the_window(gemma_folder, paged):
     model = load_model(str(gemma_folder), dtype="float32", device="cpu")
-    ids = random_ids(5 * GEMMA3_WINDOW, seed=1)
+    ids = random_ids(5 * GEMMA3_WINDOW, seed=1, low=3)
     assert (
         rel_err(kvchat_logits(model, ids.tolist(), paged=paged), hf_logits(gemma_folder, ids))
         < 1e-4
@@ -68,7 +53,7 @@ def test_attending_past_the_window_gives_other_logits(gemma_folder):
     for layer in model.transformer.layers:
         layer.window = None
     model.transformer.config = replace(model.config, layer_windows=None)
-    ids = random_ids(5 * GEMMA3_WINDOW, seed=1)
+    ids = random_ids(5 * GEMMA3_WINDOW, seed=1, low=3)
     assert (
         rel_err(kvchat_logits(model, ids.tolist(), paged=True), hf_logits(gemma_folder, ids)) > 0.01
     )
@@ -78,12 +63,12 @@ def test_a_query_scale_other_than_head_dim(tmp_path):
     """Gemma 3 27B scales queries by hidden / heads, not head_dim: kvchat follows the config."""
     folder = write_tiny_model(tmp_path, "gemma3_text", query_pre_attn_scalar=20)
     model = load_model(str(folder), dtype="float32", device="cpu")
-    ids = random_ids(40, seed=3)
+    ids = random_ids(40, seed=3, low=3)
     assert rel_err(kvchat_logits(model, ids.tolist(), paged=True), hf_logits(folder, ids)) < 1e-4
 
 
 def test_bf16_error_within_transformers_own(gemma_folder):
-    ids = random_ids(64, seed=2)
+    ids = random_ids(64, seed=2, low=3)
     exact = hf_logits(gemma_folder, ids)
     theirs = rel_err(hf_logits(gemma_folder, ids, torch.bfloat16), exact)
     model = load_model(str(gemma_folder), dtype="bfloat16", device="cpu")
@@ -95,7 +80,7 @@ def test_bf16_error_within_transformers_own(gemma_folder):
 def test_greedy_text_through_the_engine_equals_transformers(gemma_folder, attention):
     """A prompt three windows long, then 24 tokens decoded in 8-token prefill chunks and
     steps: every path of the engine attends within the window as transformers does."""
-    ids = random_ids(3 * GEMMA3_WINDOW, seed=5).tolist()
+    ids = random_ids(3 * GEMMA3_WINDOW, seed=5, low=3).tolist()
     with torch.no_grad():
         theirs = (
             hf_model(gemma_folder)
@@ -115,7 +100,7 @@ def test_greedy_text_through_the_engine_equals_transformers(gemma_folder, attent
 def test_a_batch_of_sequences_equals_each_alone(gemma_folder):
     """Sequences inside and beyond the window in one step: each reads its own window."""
     model = load_model(str(gemma_folder), dtype="float32", device="cpu")
-    prompts = [random_ids(n, seed=n).tolist() for n in (12, 40, 70)]
+    prompts = [random_ids(n, seed=n, low=3).tolist() for n in (12, 40, 70)]
     alone = [generate(model, p, max_tokens=10, ignore_eos=True) for p in prompts]
     with small_engine(model) as engine:
         collectors = [Collector() for _ in prompts]
@@ -187,7 +172,7 @@ def test_a_vision_language_gemma_runs_its_text_model(gemma_folder, tmp_path):
     folder = write_vision_language_gemma(tmp_path / "gemma3-vl", gemma_folder)
     model = load_model(str(folder), dtype="float32", device="cpu")
     assert model.config.layer_windows == (GEMMA3_WINDOW,) * 5 + (None,)
-    ids = random_ids(48, seed=7)
+    ids = random_ids(48, seed=7, low=3)
     reference = Gemma3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = reference(input_ids=ids[None]).logits[0].float()

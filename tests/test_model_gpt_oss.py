@@ -18,28 +18,13 @@ from kvchat.model.batch import ForwardBatch, NoCacheAttention
 from kvchat.model.config import ModelConfig
 from kvchat.model.loader import load_model
 from tests.engine_helpers import generate
-from tests.parity_helpers import kvchat_logits, rel_err
+from tests.parity_helpers import hf_logits, hf_model, kvchat_logits, random_ids, rel_err
 from tests.tiny_models import GPT_OSS_WINDOW, write_tiny_model
 
 
 @pytest.fixture(scope="module")
 def gpt_oss_folder(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("gpt-oss"), "gpt_oss")
-
-
-def hf_model(folder, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-
-
-def hf_logits(folder, ids: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(folder, dtype)(ids[None]).logits[0].float()
-
-
-def random_ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 def test_config_reads_the_layers_sinks_and_routing(gpt_oss_folder):

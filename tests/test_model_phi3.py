@@ -16,7 +16,7 @@ from kvchat.engine.config import EngineConfig
 from kvchat.engine.engine import Engine
 from kvchat.model.loader import load_model
 from tests.engine_helpers import generate
-from tests.parity_helpers import kvchat_logits, rel_err
+from tests.parity_helpers import hf_logits, hf_model, kvchat_logits, random_ids, rel_err
 from tests.tiny_models import PHI3_ORIGINAL_CONTEXT, write_tiny_model
 
 LONG_CONTEXT = 2048  # the tiny model's whole context: the long set
@@ -25,21 +25,6 @@ LONG_CONTEXT = 2048  # the tiny model's whole context: the long set
 @pytest.fixture(scope="module")
 def phi3_folder(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("phi3"), "phi3")
-
-
-def hf_model(folder, dtype=torch.float32):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-
-
-def hf_logits(folder, ids: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(folder, dtype)(ids[None]).logits[0].float()
-
-
-def random_ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 512, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize(

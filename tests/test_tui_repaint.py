@@ -17,14 +17,14 @@ from textual.widget import Widget
 from textual.widgets import Markdown, Static
 
 from kvchat.chat.engine_port import Residency
-from kvchat.chat.session import MessageState, MessageView, SessionView, TurnState
-from kvchat.engine.request import SamplingParams
+from kvchat.chat.session import MessageState, MessageView
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.markdown import RESERVE_LINES, StreamingMarkdown, StreamParagraph
 from kvchat.tui.repaint import update_static
 from kvchat.tui.sidebar import SessionRow
 from kvchat.tui.themes import PanelBorderVariable
 from kvchat.tui.transcript import MessageBlock
+from tests.tui_helpers import session_view
 
 DOCUMENTS = [
     "Hello **world** and *more* text with `code`.\n\nSecond paragraph, a [link](http://x.y).",
@@ -212,36 +212,10 @@ async def test_update_static_repaints_without_layout_when_the_height_holds():
         assert widget.size.height == 2
 
 
-def _view(**changes) -> SessionView:
-    values = dict(
-        id="s1",
-        title="chat",
-        state=TurnState.DECODING,
-        archived=False,
-        unread=False,
-        queued_says=0,
-        message_count=2,
-        context_tokens=100,
-        context_length=4096,
-        last_turn=None,
-        system_prompt=None,
-        sampling=SamplingParams(),
-        max_tokens=64,
-        model_fingerprint="m",
-        notice=None,
-        created=0.0,
-        updated=0.0,
-        number=1,
-        unsent="",
-    )
-    values.update(changes)
-    return SessionView(**values)
-
-
 async def test_sidebar_row_repaints_only_when_what_it_shows_changes():
     class RowApp(App[None]):
         def compose(self) -> ComposeResult:
-            yield SessionRow(_view(), 1)
+            yield SessionRow(session_view(), 1)
 
     app = RowApp()
     async with app.run_test(size=(40, 10)) as pilot:
@@ -255,11 +229,11 @@ async def test_sidebar_row_repaints_only_when_what_it_shows_changes():
             return update(content, **kwargs)
 
         row.update = spy  # type: ignore[method-assign]
-        row.set_view(_view(context_tokens=101))  # ctx 2% either way
+        row.set_view(session_view(context_tokens=101))  # ctx 2% either way
         row.set_residency(Residency(100, 0, nowhere=1))
         row.set_residency(Residency(101, 0, nowhere=1))  # the same bar cells
         assert len(updates) == 1  # the residency bar appeared; nothing else showed a change
-        row.set_view(_view(state="idle"))
+        row.set_view(session_view(state="idle"))
         assert len(updates) == 2
 
 

@@ -10,6 +10,7 @@ from kvchat.engine.request import SamplingParams
 from kvchat.errors import KvchatError
 from kvchat.tui.keys import BINDING_IDS, check_keymap
 from kvchat.tui.stream_buffer import StreamBuffer
+from tests.tui_helpers import session_view
 
 
 def test_stream_buffer_keeps_offsets_and_drops_hidden_sessions_text():
@@ -60,31 +61,12 @@ def test_each_service_event_kind_becomes_the_message_for_its_effect_and_text_is_
     import typing
 
     from kvchat.chat import events as ev
-    from kvchat.chat.session import SessionSnapshot, SessionView, TurnState
+    from kvchat.chat.session import SessionSnapshot, TurnState
     from kvchat.tui import messages as ui
     from kvchat.tui.service_events import relay_to
 
-    view = SessionView(
-        id="s",
-        title="t",
-        state=TurnState.IDLE,
-        archived=False,
-        unread=False,
-        queued_says=0,
-        message_count=0,
-        context_tokens=0,
-        context_length=4096,
-        last_turn=None,
-        system_prompt=None,
-        sampling=SamplingParams(),
-        max_tokens=64,
-        model_fingerprint="m",
-        notice=None,
-        created=0.0,
-        updated=0.0,
-        number=1,
-        unsent="",
-    )
+    view = session_view(id="s", title="t", state=TurnState.IDLE, message_count=0,
+                        context_tokens=0)  # fmt: skip
     snap = SessionSnapshot(view, ())
     samples = {
         ev.SessionCreated: (ev.SessionCreated("s"), ui.RelistSessions),
