@@ -3,33 +3,18 @@
 from __future__ import annotations
 
 from kvchat.chat.session import SessionView, TurnState, TurnStats
-from kvchat.engine.api import CachedTokens, Residency, SamplingParams
+from kvchat.engine.api import CachedTokens, Residency
 from kvchat.tui.sidebar import row_content
+from tests.tui_helpers import session_view
 
 
 def _view(cached: int | None) -> SessionView:
     last = TurnStats("stop", 600, CachedTokens(cached, None, None), None, None, 8, 0.2, 30.0)
-    return SessionView(
-        id="s",
-        title="doc",
-        state=TurnState.IDLE,
-        archived=False,
-        unread=False,
-        queued_says=0,
-        message_count=4,
-        context_tokens=620,
-        context_length=8192,
-        last_turn=last,
-        system_prompt=None,
-        sampling=SamplingParams(),
-        max_tokens=512,
+    return session_view(
+        id="s", title="doc", state=TurnState.IDLE, message_count=4, context_tokens=620,
+        context_length=8192, last_turn=last, max_tokens=512,
         model_fingerprint="remote:vllm:smollm2",
-        notice=None,
-        created=0.0,
-        updated=0.0,
-        number=1,
-        unsent="",
-    )
+    )  # fmt: skip
 
 
 def test_the_sidebar_shows_the_last_hit_rate_where_no_residency_can_be_drawn() -> None:
