@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvchat.model.linear import StackedLinear
 from kvchat.model.loader import load_model
-from kvchat.model.quantized_linear import Int4Linear, Int8Linear, Q4Linear, quantize_int4_rtn
+from kvchat.model.quantized_linear import (
+    Int4Linear,
+    Int8Linear,
+    Q4Linear,
+    Q8Linear,
+    quantize_int4_rtn,
+)
 from tests.parity_helpers import kvchat_logits, rel_err
 from tests.tiny_gguf import write_tiny_gguf
 
@@ -40,6 +47,36 @@ def test_int4_path_matches_the_dequantized_path(tmp_path, qtype, native_kernels)
     dense16 = load_model(str(path), dtype="bfloat16", device="cpu", weights="bf16")
     theirs = rel_err(kvchat_logits(dense16, ids, paged=True), exact)
     assert rel_err(kvchat_logits(native16, ids, paged=True), exact) <= 1.5 * theirs + 2e-2
+
+
+def test_a_q4_k_m_files_six_bit_matrices_stay_eight_bit_and_exact(tmp_path, native_kernels):
+    """llama-quantize's Q4_K_M keeps attn_v, ffn_down and the head in Q6_K: those become
+    8-bit codes with the file's scale per 16 (not a dense copy), q/k/v a stack of a 4-bit
+    q/k and the 8-bit v, and the model computes the file's exact weights in float32; the
+    prepared-weights cache brings the same layers back."""
+    path = write_tiny_gguf(tmp_path / "tiny-Q4_K_M.gguf", "Q4_K_M")
+    native = load_model(str(path), dtype="float32", device="cpu")
+    dense = load_model(str(path), dtype="float32", device="cpu", weights="bf16")
+    layer = native.transformer.layers[0]
+    assert isinstance(layer.qkv, StackedLinear)
+    assert [type(part) for part in layer.qkv.parts] == [Q4Linear, Q8Linear]
+    v = layer.qkv.parts[1]
+    assert v.scales.shape[1] == v.in_features // 16  # Q6_K's sub-blocks
+    assert isinstance(layer.down, Q8Linear) and isinstance(layer.gate_up, Q4Linear)
+    assert isinstance(native.transformer.lm_head, Q8Linear)
+    ids = ids_for(native)
+    exact = kvchat_logits(dense, ids, paged=True)
+    assert rel_err(kvchat_logits(native, ids, paged=True), exact) < 1e-4
+    assert rel_err(logits_in_small_chunks(native, ids), exact) < 1e-4  # the decode paths
+    native16 = load_model(str(path), dtype="bfloat16", device="cpu")
+    assert [type(p) for p in native16.transformer.layers[0].qkv.parts] == [Int4Linear, Q8Linear]
+    dense16 = load_model(str(path), dtype="bfloat16", device="cpu", weights="bf16")
+    theirs = rel_err(logits_in_small_chunks(dense16, ids), exact)
+    ours = logits_in_small_chunks(native16, ids)
+    assert rel_err(ours, exact) <= 1.5 * theirs + 2e-2
+    again = load_model(str(path), dtype="bfloat16", device="cpu")  # the prepared cache
+    assert [type(p) for p in again.transformer.layers[0].qkv.parts] == [Int4Linear, Q8Linear]
+    assert torch.equal(logits_in_small_chunks(again, ids), ours)
 
 
 def test_int4_linear_multiplies_by_its_dequantized_weight():

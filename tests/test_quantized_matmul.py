@@ -1,6 +1,7 @@
 """kvchat's quantized kernels (`q4_matmul`, `q8_matmul`) against a float64 product of
-the weights the GGUF dequantizer reads from the same random blocks: every format, odd
-shapes, every row count path (fused decode rows, the buffered tiles, a ragged tail)."""
+the weights the GGUF dequantizer reads from the same random blocks: every format (Q6_K
+with its scale per 16 included), odd shapes, every row count path (fused decode rows,
+the buffered tiles, a ragged tail)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,20 @@ import numpy as np
 import pytest
 import torch
 
-from kvchat.model.gguf.dequant import dequantize, unpack_q4, unpack_q8_0
+from kvchat.model.gguf.dequant import dequantize, unpack_int8, unpack_q4
 from kvchat.model.gguf.file import GGMLType
 from kvchat.model.quantized_linear import Q4Linear, Q8Linear
 from kvchat.native import build as native_build
 
 pytestmark = pytest.mark.usefixtures("kernel")
 
-BLOCK = {GGMLType.Q4_0: (32, 18), GGMLType.Q4_1: (32, 20), GGMLType.Q4_K: (256, 144)}
+BLOCK = {
+    GGMLType.Q4_0: (32, 18),
+    GGMLType.Q4_1: (32, 20),
+    GGMLType.Q4_K: (256, 144),
+    GGMLType.Q5_0: (32, 22),
+    GGMLType.Q6_K: (256, 210),
+}
 ROW_COUNTS = [1, 2, 3, 4, 5, 8, 16, 17, 24, 64, 130]
 
 
@@ -40,6 +47,10 @@ def random_blocks(ggml_type: GGMLType, rows: int, cols: int, seed: int) -> np.nd
         return np.concatenate([_f16(rng, count, -0.02, 0.02), codes], axis=1).reshape(-1)
     per_block, nbytes = BLOCK[ggml_type]
     count = rows * cols // per_block
+    if ggml_type == GGMLType.Q6_K:  # codes, then 16 signed sub-scales, then the f16 d
+        codes = rng.integers(0, 256, (count, 192), dtype=np.uint8)
+        sub = rng.integers(-128, 128, (count, 16), dtype=np.int8).view(np.uint8)
+        return np.concatenate([codes, sub, _f16(rng, count, 0.0001, 0.002)], axis=1).reshape(-1)
     parts = [_f16(rng, count, 0.001, 0.03)]
     if ggml_type == GGMLType.Q4_1:
         parts.append(_f16(rng, count, -0.2, 0.2))
@@ -78,20 +89,37 @@ def test_q4_kernel_computes_the_dequantized_weights(ggml_type, out_features):
         close_to_exact(y, x, weight)
 
 
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q6_K])
 @pytest.mark.parametrize("out_features", [1, 5, 64, 131])
-def test_q8_kernel_computes_the_dequantized_weights(out_features):
-    in_features = 160
-    raw = random_blocks(GGMLType.Q8_0, out_features, in_features, seed=out_features)
+def test_q8_kernel_computes_the_dequantized_weights(ggml_type, out_features):
+    in_features = 512 if ggml_type == GGMLType.Q6_K else 160
+    raw = random_blocks(ggml_type, out_features, in_features, seed=out_features)
     shape = (out_features, in_features)
-    weight = dequantize(raw, GGMLType.Q8_0, shape).float()
-    blocks = unpack_q8_0(raw, shape)
+    weight = dequantize(raw, ggml_type, shape).float()
+    blocks = unpack_int8(raw, ggml_type, shape)
+    assert blocks.group == (16 if ggml_type == GGMLType.Q6_K else 32)
     layer = Q8Linear(blocks.codes, blocks.scales)
-    assert layer.scales.dtype == torch.float16  # a GGUF's scales are f16: kept as they are
+    if ggml_type != GGMLType.Q6_K:  # a GGUF's f16 scales are kept as they are
+        assert layer.scales.dtype == torch.float16
     assert torch.equal(layer.dequantized(), weight)
     g = torch.Generator().manual_seed(2)
     for rows in ROW_COUNTS:
         x = torch.randn(rows, in_features, generator=g)
         close_to_exact(layer(x), x, weight)
+
+
+def test_a_scale_per_16_columns_is_not_read_as_one_per_32():
+    """The two halves of a group are scaled apart: with the second half's scales zeroed,
+    only the first halves count."""
+    raw = random_blocks(GGMLType.Q6_K, 8, 256, seed=5)
+    blocks = unpack_int8(raw, GGMLType.Q6_K, (8, 256))
+    scales = blocks.scales.clone()
+    scales[:, 1::2] = 0
+    layer = Q8Linear(blocks.codes, scales)
+    halves = layer.dequantized().reshape(8, 8, 2, 16)
+    assert halves[:, :, 1].abs().max() == 0 and halves[:, :, 0].abs().max() > 0
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(5))
+    close_to_exact(layer(x), x, layer.dequantized())
 
 
 @pytest.mark.parametrize("rows", [3, 16, 40])

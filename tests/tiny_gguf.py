@@ -40,8 +40,25 @@ def _random_k_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def _random_q6_k_blocks(rows: int, cols: int, rng) -> np.ndarray:
+    """Q6_K blocks: random 6-bit codes, signed sub-scales, a small f16 d at the end."""
+    n = rows * cols // 256
+    codes = rng.integers(0, 256, size=(n, 192), dtype=np.uint8)
+    sub = rng.integers(-64, 65, size=(n, 16), dtype=np.int8).view(np.uint8)
+    d = rng.uniform(0.0002, 0.001, size=(n, 1)).astype(np.float16).view(np.uint8)
+    return np.concatenate([codes, sub, d], axis=1).reshape(rows, -1)
+
+
+# llama-quantize's Q4_K_M keeps these in Q6_K (some layers' only; here every layer's)
+Q4_K_M_SIX_BIT = ("attn_v", "ffn_down", "token_embd")
+
+
 def write_tiny_gguf(path: Path, qtype: str = "Q4_1", seed: int = 0) -> Path:
+    """A tiny Llama GGUF of random weights in `qtype`, or "Q4_K_M": Q4_K matrices with
+    `Q4_K_M_SIX_BIT` in Q6_K, as llama-quantize mixes them."""
     rng = np.random.default_rng(seed)
+    mixed = qtype == "Q4_K_M"
+    qtype = "Q4_K" if mixed else qtype
     kind = gguf.GGMLQuantizationType[qtype]
     # K-quants pack 256 columns a block: rows must be at least that wide
     HIDDEN = FFN = 256 if qtype.endswith("_K") else 64
@@ -68,7 +85,10 @@ def write_tiny_gguf(path: Path, qtype: str = "Q4_1", seed: int = 0) -> Path:
     writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
 
     def add(name: str, rows: int, cols: int) -> None:
-        if kind in (gguf.GGMLQuantizationType.Q4_K,):
+        if mixed and name.split(".")[-2] in Q4_K_M_SIX_BIT:
+            six = gguf.GGMLQuantizationType.Q6_K
+            writer.add_tensor(name, _random_q6_k_blocks(rows, cols, rng), raw_dtype=six)
+        elif kind in (gguf.GGMLQuantizationType.Q4_K,):
             writer.add_tensor(name, _random_k_blocks(kind, rows, cols, rng), raw_dtype=kind)
         else:
             w = (rng.standard_normal((rows, cols)) * 0.3).astype(np.float32)
@@ -76,7 +96,10 @@ def write_tiny_gguf(path: Path, qtype: str = "Q4_1", seed: int = 0) -> Path:
 
     emb = (rng.standard_normal((vocab, HIDDEN)) * 0.5).astype(np.float32)
     q8 = gguf.GGMLQuantizationType.Q8_0
-    writer.add_tensor("token_embd.weight", gguf.quants.quantize(emb, q8), raw_dtype=q8)
+    if mixed:
+        add("token_embd.weight", vocab, HIDDEN)
+    else:
+        writer.add_tensor("token_embd.weight", gguf.quants.quantize(emb, q8), raw_dtype=q8)
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     head_dim = HIDDEN // N_HEADS
     for i in range(LAYERS):

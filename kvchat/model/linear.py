@@ -208,6 +208,33 @@ class DenseLinear:
         return cls(torch.cat(weights, dim=0), torch.cat(biases) if biases else None)
 
 
+class StackedLinear:
+    """Projections of one input kept in different formats, their outputs side by side:
+    a Q4_K_M file keeps q and k 4-bit and v in Q6_K, and the model still sees one fused
+    q/k/v layer, each part multiplied by its own format's kernel."""
+
+    __slots__ = ("in_features", "out_features", "parts")
+
+    def __init__(self, parts: list[Linear]):
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(part.out_features for part in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def nbytes(self) -> int:
+        return sum(part.nbytes() for part in self.parts)
+
+    def prepack(self) -> None:
+        for part in self.parts:
+            part.prepack()
+
+    def packed_from_rows(self) -> int | None:
+        firsts = [f for f in (part.packed_from_rows() for part in self.parts) if f is not None]
+        return min(firsts, default=None)
+
+
 def make_linear(weights: list, biases: list | None = None) -> Linear:
     """A linear layer from one or several (fused) weights: dense tensors or already-built
     `Linear`s (quantized weights are built by the loader and passed through as they are)."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvchat.model.linear import pack_weight, packable, packed_linear
+from kvchat.model.linear import Linear, StackedLinear, pack_weight, packable, packed_linear
 from kvchat.native import build as native_build
 
 GROUP_SIZE = 32
@@ -206,13 +206,16 @@ def compact_scales(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 class _KernelLinear(_WeightOnlyLinear):
-    """A layer multiplied by kvchat's quantized kernel in float32, at every row count: the
-    kernel itself takes prefill batches through tiles of dequantized rows, so the weight
-    stays 4-bit in memory. Only until the kernels are loaded (they compile once per
-    machine, in the background) does a dequantized copy serve; it is dropped as soon as
-    they are."""
+    """A layer multiplied by kvchat's quantized kernel, which computes the file's exact
+    weights in float32 (bf16 activations are widened, the result narrowed back). Without
+    a dense copy (float32) it takes every row count: the kernel itself takes prefill
+    batches through tiles of dequantized rows, so the weight stays 4-bit or 8-bit in
+    memory. With one (bf16), batches of `dense_from_rows` rows or more use the copy, as
+    `Int4Linear` does. Only until the kernels are loaded (they compile once per machine,
+    in the background) does a dequantized `fallback` serve; it is dropped as soon as they
+    are."""
 
-    __slots__ = ()
+    __slots__ = ("fallback",)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -220,18 +223,17 @@ class _KernelLinear(_WeightOnlyLinear):
     def dequantized(self) -> torch.Tensor:
         raise NotImplementedError
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if native_build.loaded() and x.device.type == "cpu":
-            self.dense = None
-            y = self._kernel(x.contiguous())
-        else:
-            if self.dense is None or self.dense.dtype != x.dtype:
-                self.dense = self.dequantized().to(x.dtype)
-            y = F.linear(x, self.dense)
-        return y if self.bias is None else y + self.bias
+    def _set_extras(self, bias: torch.Tensor | None, dense: torch.Tensor | None) -> None:
+        super()._set_extras(bias, dense)
+        self.fallback: torch.Tensor | None = None
 
-    def packed_from_rows(self) -> int | None:
-        return None
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if native_build.loaded() and x.device.type == "cpu":
+            self.fallback = None
+            return self._kernel(x.contiguous())
+        if self.fallback is None or self.fallback.dtype != x.dtype:
+            self.fallback = self.dequantized().to(x.dtype)
+        return F.linear(x, self.fallback)
 
 
 class Q4Linear(_KernelLinear):
@@ -281,8 +283,9 @@ class Q4Linear(_KernelLinear):
 
 
 class Q8Linear(_KernelLinear):
-    """W [N, K] as int8 codes with a scale per group of 32 columns (GGUF's Q8_0), so a
-    Q8_0 LM head is computed exactly in float32 at a quarter of a dense head's bytes."""
+    """W [N, K] as int8 codes with a scale per 32 columns (GGUF's Q8_0 and Q5_0) or per
+    16 (Q6_K's sub-blocks, d * sub-scale), so such a matrix is computed exactly at 8 bits
+    a weight (plus its scales) instead of a dense copy's 16 or 32."""
 
     __slots__ = ("codes", "scales")
     _TENSORS = ("codes", "scales")
@@ -301,31 +304,43 @@ class Q8Linear(_KernelLinear):
 
     def dequantized(self) -> torch.Tensor:
         n, k = self.codes.shape
-        codes = self.codes.view(torch.int8).float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+        groups = self.scales.shape[1]
+        codes = self.codes.view(torch.int8).float().reshape(n, groups, k // groups)
         return (codes * self.scales.float()[..., None]).reshape(n, k)
+
+    @classmethod
+    def fused(cls, parts: list[tuple[torch.Tensor, torch.Tensor]], **kw) -> Q8Linear:
+        """Several projections of the same input stacked by rows (their scales per as
+        many columns)."""
+        codes, scales = (torch.cat([p[i] for p in parts], dim=0) for i in range(2))
+        return cls(codes, scales, **kw)
 
 
 _KINDS = {"int4": Int4Linear, "int8": Int8Linear, "q4": Q4Linear, "q8": Q8Linear}
+_PART = "#"  # a stacked layer's parts are saved as "{name}#{index}"
 
 
-def save_linears(path, linears: dict[str, _WeightOnlyLinear]) -> None:
+def save_linears(path, linears: dict[str, Linear]) -> None:
     """Cache prepared quantized layers (packing is slow; loading a file is not)."""
+    import json
+
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
     for name, linear in linears.items():
-        kinds[name] = next(kind for kind, cls in _KINDS.items() if type(linear) is cls)
-        for key, t in linear.state().items():
-            tensors[f"{name}::{key}"] = t.contiguous()
+        parts = linear.parts if isinstance(linear, StackedLinear) else [linear]
+        for index, part in enumerate(parts):
+            key = f"{name}{_PART}{index}" if isinstance(linear, StackedLinear) else name
+            kinds[key] = next(kind for kind, cls in _KINDS.items() if type(part) is cls)
+            for field, t in part.state().items():
+                tensors[f"{key}::{field}"] = t.contiguous()
     partial = path.with_suffix(".partial")
-    import json
-
     save_file(tensors, str(partial), metadata={"kinds": json.dumps(kinds)})
     partial.replace(path)
 
 
-def load_linears(path) -> dict[str, _WeightOnlyLinear]:
+def load_linears(path) -> dict[str, Linear]:
     """Load `save_linears`' file. Every tensor is cloned into a fresh allocation: tensors
     read from a safetensors file may sit at unaligned addresses, and torch's int8 kernel
     crashes (SIGSEGV, seen with M >= 32) on an unaligned weight."""
@@ -337,6 +352,17 @@ def load_linears(path) -> dict[str, _WeightOnlyLinear]:
         kinds = json.loads(f.metadata()["kinds"])
         states: dict[str, dict[str, torch.Tensor]] = {n: {} for n in kinds}
         for key in f.keys():  # noqa: SIM118 - safe_open is not a dict
-            name, _, part = key.partition("::")
-            states[name][part] = f.get_tensor(key).clone()
-    return {name: _KINDS[kinds[name]].from_state(states[name]) for name in kinds}
+            name, _, field = key.partition("::")
+            states[name][field] = f.get_tensor(key).clone()
+    out: dict[str, Linear] = {}
+    stacks: dict[str, dict[int, Linear]] = {}
+    for key, kind in kinds.items():
+        linear = _KINDS[kind].from_state(states[key])
+        name, part, index = key.partition(_PART)
+        if part:
+            stacks.setdefault(name, {})[int(index)] = linear
+        else:
+            out[name] = linear
+    for name, parts in stacks.items():
+        out[name] = StackedLinear([parts[i] for i in sorted(parts)])
+    return out

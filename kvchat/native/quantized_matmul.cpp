@@ -11,7 +11,8 @@
 // groups; a 4-bit group is 16 bytes, byte j holding element j in its low nibble and
 // element j + 16 in its high one (GGUF's Q4_0/Q4_1 order); an 8-bit group is 32 signed
 // bytes. Each group has a scale (and a 4-bit one an offset) in float32 or float16; the
-// half ones are converted a row at a time. Decode (one or two rows) streams each weight
+// half ones are converted a row at a time. An 8-bit group may instead have a scale per
+// half (16 weights): Q6_K's sub-blocks, whose scales no one scale per 32 can hold. Decode (one or two rows) streams each weight
 // row once through the fused loop; a few more rows dequantize a weight row once into a
 // buffer that stays in L1 and take the activation rows four at a time; prefill batches
 // dequantize a tile of weight rows and hand it to torch's matrix product.
@@ -184,29 +185,36 @@ constexpr int kPerGroup = kGroup / kLanes;  // vectors a group fills
 // AVX-512, 16 with AVX2).
 constexpr int kFusedWeightRows = kLanes == 16 ? 4 : 2;
 
-// What differs between the two formats: a group's bytes, how they unpack, whether an
-// offset is added.
+// What differs between the formats: a group's bytes, how they unpack, whether an
+// offset is added, how many scales a group has (each covering kGroup / kScales weights).
 struct Q4 {
   static constexpr int64_t kBytes = kGroup / 2;
   static constexpr bool kOffset = true;
+  static constexpr int kScales = 1;
   static void unpack(const uint8_t* p, Vec* q) { unpack_q4(p, q); }
 };
 struct Q8 {
   static constexpr int64_t kBytes = kGroup;
   static constexpr bool kOffset = false;
+  static constexpr int kScales = 1;
   static void unpack(const uint8_t* p, Vec* q) { unpack_q8(p, q); }
 };
+struct Q8Halves : Q8 {
+  static constexpr int kScales = 2;
+};
+static_assert(kPerGroup % Q8Halves::kScales == 0, "a scale covers whole vectors");
 
-// One group's 32 weights as floats: code * scale (+ offset).
+// One group's 32 weights as floats: code * scale (+ offset); `scale` holds F::kScales.
 template <typename F>
-inline void dequantize_group(const uint8_t* codes, float scale, float offset, Vec* w) {
+inline void dequantize_group(const uint8_t* codes, const float* scale, float offset, Vec* w) {
   F::unpack(codes, w);
-  const Vec s = vset1(scale);
+  constexpr int per_scale = kPerGroup / F::kScales;
   if constexpr (F::kOffset) {
+    const Vec s = vset1(scale[0]);
     const Vec o = vset1(offset);
     for (int i = 0; i < kPerGroup; ++i) w[i] = vfma(w[i], s, o);
   } else {
-    for (int i = 0; i < kPerGroup; ++i) w[i] = vmul(w[i], s);
+    for (int i = 0; i < kPerGroup; ++i) w[i] = vmul(w[i], vset1(scale[i / per_scale]));
   }
 }
 
@@ -230,6 +238,7 @@ void fused_rows(const uint8_t* codes, const float* scales, const float* offsets,
     }
   }
   const int64_t row_bytes = groups * F::kBytes;
+  constexpr int per_scale = kPerGroup / F::kScales;
   for (int64_t g = 0; g < groups; ++g) {
     const float* xg = x + g * kGroup;
     for (int w = 0; w < W; ++w) {
@@ -237,15 +246,17 @@ void fused_rows(const uint8_t* codes, const float* scales, const float* offsets,
       const int64_t at = w * groups + g;
       PREFETCH(codes + w * row_bytes + g * F::kBytes + kPrefetchBytes);
       F::unpack(codes + w * row_bytes + g * F::kBytes, q);
-      const Vec scale = vset1(scales[at]);
       // the activations are read from L1 by each multiply-add: kept in registers
       // across the W rows they would spill the accumulators with AVX2's 16
       for (int r = 0; r < R; ++r) {
-        Vec part = vmul(vload(xg + r * k), q[0]);
-        for (int i = 1; i < kPerGroup; ++i) {
-          part = vfma(vload(xg + r * k + i * kLanes), q[i], part);
+        for (int part_at = 0; part_at < F::kScales; ++part_at) {
+          const int first = part_at * per_scale;
+          Vec part = vmul(vload(xg + r * k + first * kLanes), q[first]);
+          for (int i = first + 1; i < first + per_scale; ++i) {
+            part = vfma(vload(xg + r * k + i * kLanes), q[i], part);
+          }
+          acc[w][r] = vfma(part, vset1(scales[at * F::kScales + part_at]), acc[w][r]);
         }
-        acc[w][r] = vfma(part, scale, acc[w][r]);
         if constexpr (F::kOffset) offset_acc[w][r] += offsets[at] * xsum[r * groups + g];
       }
     }
@@ -321,7 +332,7 @@ void fused_pass(const uint8_t* codes, const float* s, const float* o, int64_t gr
   } else {
     fused_rows<F, 2, (W > 1 ? W / 2 : 1)>(codes, s, o, groups, x, xsum, k, dots);
     if constexpr (W > 1) {  // the second half of the W rows
-      fused_rows<F, 2, W / 2>(codes + W / 2 * groups * F::kBytes, s + W / 2 * groups,
+      fused_rows<F, 2, W / 2>(codes + W / 2 * groups * F::kBytes, s + W / 2 * groups * F::kScales,
                               F::kOffset ? o + W / 2 * groups : nullptr, groups, x, xsum, k,
                               dots + W);
     }
@@ -332,25 +343,28 @@ void fused_pass(const uint8_t* codes, const float* s, const float* o, int64_t gr
 }
 
 // Columns [g0 * 32, g1 * 32) of weight rows [begin, end) as float32, written row after
-// row to `dst` (g1 - g0 groups a row); `scratch` holds 2 * (g1 - g0) floats (the rows'
-// scales and offsets converted from half).
+// row to `dst` (g1 - g0 groups a row); `scratch` holds scratch_floats<F>(g1 - g0) floats
+// (the rows' scales and offsets converted from half).
+template <typename F>
+constexpr int64_t scratch_floats(int64_t groups) { return (F::kScales + 1) * groups; }
+
 template <typename F, typename S>
 void dequantize_rows(const uint8_t* codes, const S* scales, const S* offsets, int64_t k,
                      int64_t begin, int64_t end, int64_t g0, int64_t g1, float* dst,
                      float* scratch) {
   const int64_t groups = k / kGroup, width = (g1 - g0) * kGroup;
   float* scale_row = scratch;
-  float* offset_row = scratch + (g1 - g0);
+  float* offset_row = scratch + (g1 - g0) * F::kScales;
   for (int64_t row = begin; row < end; ++row) {
     const int64_t first = row * groups + g0;
     const uint8_t* c = codes + first * F::kBytes;
-    const float* s = as_floats(scales + first, g1 - g0, scale_row);
+    const float* s = as_floats(scales + first * F::kScales, (g1 - g0) * F::kScales, scale_row);
     const float* o = F::kOffset ? as_floats(offsets + first, g1 - g0, offset_row) : nullptr;
     float* w = dst + (row - begin) * width;
     for (int64_t g = 0; g < g1 - g0; ++g) {
       Vec v[kPerGroup];
       PREFETCH(c + g * F::kBytes + kPrefetchBytes);
-      dequantize_group<F>(c + g * F::kBytes, s[g], F::kOffset ? o[g] : 0.f, v);
+      dequantize_group<F>(c + g * F::kBytes, s + g * F::kScales, F::kOffset ? o[g] : 0.f, v);
       for (int i = 0; i < kPerGroup; ++i) vstore(w + g * kGroup + i * kLanes, v[i]);
     }
   }
@@ -364,11 +378,12 @@ void matmul_rows(const float* x, const float* xsum, int64_t m, int64_t k, const 
   const int64_t groups = k / kGroup;
   constexpr int W = kFusedWeightRows;
   if (m <= kFusedRows) {
-    std::vector<float> scale_rows(W * groups), offset_rows(W * groups);
+    std::vector<float> scale_rows(W * groups * F::kScales), offset_rows(W * groups);
     for (int64_t row = begin; row < end;) {
       const int64_t take = end - row >= W ? W : 1;
       const uint8_t* c = codes + row * groups * F::kBytes;
-      const float* s = as_floats(scales + row * groups, take * groups, scale_rows.data());
+      const float* s = as_floats(scales + row * groups * F::kScales, take * groups * F::kScales,
+                                 scale_rows.data());
       const float* o = F::kOffset
                            ? as_floats(offsets + row * groups, take * groups, offset_rows.data())
                            : nullptr;
@@ -386,7 +401,7 @@ void matmul_rows(const float* x, const float* xsum, int64_t m, int64_t k, const 
     }
     return;
   }
-  std::vector<float> weight_row(k), scratch(2 * groups);
+  std::vector<float> weight_row(k), scratch(scratch_floats<F>(groups));
   float dots[kRowTile];
   for (int64_t row = begin; row < end; ++row) {
     float* w = weight_row.data();
@@ -421,7 +436,7 @@ void tiled_matmul(const at::Tensor& x, const uint8_t* codes, const S* scales, co
       const int64_t cols = std::min<int64_t>(width, k - k0);
       const int64_t g0 = k0 / kGroup, g1 = g0 + cols / kGroup;
       at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-        std::vector<float> scratch(2 * (g1 - g0));
+        std::vector<float> scratch(scratch_floats<F>(g1 - g0));
         dequantize_rows<F, S>(codes, scales, offsets, k, n0 + begin, n0 + end, g0, g1,
                               w + begin * cols, scratch.data());
       });
@@ -452,8 +467,8 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
   TORCH_CHECK(scale_type == at::kFloat || scale_type == at::kHalf, op,
               ": scales float32 or float16");
   TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.size(0) == n &&
-                  scales.size(1) == k / kGroup,
-              op, ": scales [N, K / 32], contiguous");
+                  scales.size(1) == k / kGroup * F::kScales,
+              op, ": scales [N, K / ", kGroup / F::kScales, "], contiguous");
   if (offsets != nullptr) {
     TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->is_contiguous() &&
                     offsets->scalar_type() == scale_type,
@@ -498,7 +513,12 @@ at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return quantized_matmul<Q4>(x, codes, scales, &offsets, "q4_matmul");
 }
 
+// Scales [N, K / 32] (Q8_0) or [N, K / 16] (a scale per half group: Q6_K's sub-blocks).
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  if (x.dim() == 2 && scales.dim() == 2 && scales.size(1) == x.size(1) / (kGroup / 2) &&
+      x.size(1) % kGroup == 0) {
+    return quantized_matmul<Q8Halves>(x, codes, scales, nullptr, "q8_matmul");
+  }
   return quantized_matmul<Q8>(x, codes, scales, nullptr, "q8_matmul");
 }
 

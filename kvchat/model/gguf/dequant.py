@@ -345,20 +345,50 @@ def unpack_q4(
 
 @dataclass(frozen=True)
 class Int8Blocks:
-    """A Q8_0 weight as signed codes and a scale per 32 columns:
-    `weight[r, c] == codes[r, c] * scales[r, c // 32]` exactly (in float32)."""
+    """An 8-bit-or-narrower weight as signed codes and a scale per 32 or 16 columns:
+    `weight[r, c] == codes[r, c] * scales[r, c // (cols // scales.shape[1])]` exactly
+    (in float32), for Q8_0 (a scale per 32), Q5_0 (codes - 16, a scale per 32) and
+    Q6_K (codes - 32, d * sub-scale per 16: no one scale per 32 holds two sub-blocks)."""
 
     codes: torch.Tensor  # [rows, cols] int8
-    scales: torch.Tensor  # [rows, cols // 32] float32 (each an f16 value)
+    scales: torch.Tensor  # [rows, cols // 32 or cols // 16] float32
+
+    @property
+    def group(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
 
 
-def unpack_q8_0(raw: np.ndarray | torch.Tensor, shape: Sequence[int]) -> Int8Blocks:
-    """Split a Q8_0 matrix of `shape` [rows, cols] into `Int8Blocks`."""
+EIGHT_BIT = (GGMLType.Q8_0, GGMLType.Q6_K, GGMLType.Q5_0)
+"""The types `unpack_int8` reads: those whose weights are a signed code times a scale."""
+
+
+def unpack_int8(
+    raw: np.ndarray | torch.Tensor, ggml_type: GGMLType, shape: Sequence[int]
+) -> Int8Blocks:
+    """Split a Q8_0, Q5_0 or Q6_K matrix of `shape` [rows, cols] into `Int8Blocks`."""
+    if ggml_type not in EIGHT_BIT:
+        raise ModelLoadError(
+            f"unpack_int8 reads Q8_0, Q5_0 and Q6_K, not {GGMLType(ggml_type).name}."
+        )
     if len(shape) != 2:
-        raise ModelLoadError(f"unpack_q8_0 needs a 2-D weight, got shape {tuple(shape)}.")
+        raise ModelLoadError(f"unpack_int8 needs a 2-D weight, got shape {tuple(shape)}.")
     rows, cols = shape
     data = as_byte_tensor(raw)
-    n_blocks = _check_size(data, GGMLType.Q8_0, shape)
-    blocks = data.reshape(n_blocks, bytes_per_block(GGMLType.Q8_0))
-    codes = blocks[:, 2:].contiguous().view(torch.int8)
-    return Int8Blocks(codes=codes.reshape(rows, cols), scales=_f16(blocks, 0).reshape(rows, -1))
+    n_blocks = _check_size(data, ggml_type, shape)
+    blocks = data.reshape(n_blocks, bytes_per_block(ggml_type))
+    if ggml_type == GGMLType.Q8_0:
+        codes = blocks[:, 2:].contiguous().view(torch.int8)
+        scales = _f16(blocks, 0)
+    elif ggml_type == GGMLType.Q5_0:
+        low = _nibbles(blocks[:, 6:], QK // 2).reshape(n_blocks, QK)
+        codes = (low | (_fifth_bits(blocks[:, 2:6]) << 4)).to(torch.int8) - 16
+        scales = _f16(blocks, 0)
+    else:
+        ql = blocks[:, : QK_K // 2]
+        qh = blocks[:, QK_K // 2 : QK_K // 2 + QK_K // 4]
+        sub = blocks[:, QK_K // 2 + QK_K // 4 : -2].contiguous().view(torch.int8)  # [n, 16]
+        scales = _f16(blocks, bytes_per_block(GGMLType.Q6_K) - 2) * sub.to(torch.float32)
+        low = _nibbles(ql, 64).reshape(n_blocks, 8, 32)
+        high = _bits(qh.reshape(n_blocks, 2, 32), 2).reshape(n_blocks, 8, 32)
+        codes = (low | (high << 4)).to(torch.int8) - 32
+    return Int8Blocks(codes=codes.reshape(rows, cols), scales=scales.reshape(rows, -1))

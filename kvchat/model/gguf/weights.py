@@ -1,18 +1,23 @@
-"""Keep a GGUF's 4-bit matrices 4-bit: build `Int4Linear`s straight from its blocks.
+"""Keep a GGUF's quantized matrices quantized: layers built straight from its blocks.
 
-Q4_0, Q4_1 and Q4_K matrices become int4 groups of 32 without requantizing (see
-`quantized_linear.py`); the q/k rows get llama.cpp's rotary permutation undone
-exactly as the dequantizing path does. A fused group (q/k/v, gate/up) is kept
-4-bit only when all its parts are 4-bit; otherwise it stays dense (correct, and
-mixed files such as Q4_K_M keep their higher-precision tensors as they are).
-A Q8_0 LM head (or tied embedding) is multiplied through the int8 kernel. Qwen3-MoE's
-experts, stacked in one 4-bit tensor per projection, become a 4-bit gate/up and down
-per expert (`expert_linears`), so a 4-bit MoE file stays 4-bit in memory.
+Q4_0, Q4_1 and Q4_K matrices become 4-bit groups of 32 without requantizing (see
+`quantized_linear.py`); Q8_0, Q5_0 and Q6_K ones become 8-bit codes with the file's
+scales (a scale per 32, or per 16 for Q6_K's sub-blocks), exactly the file's weights:
+llama-quantize keeps the head and some matrices in Q6_K even in its 4-bit files (the
+tied head is a third of a 1B model's bytes), and a dense copy of those streamed more
+bytes a token than all the 4-bit layers together. The q/k rows get llama.cpp's rotary
+permutation undone exactly as the dequantizing path does. A fused group (q/k/v,
+gate/up) whose parts come in different formats (Q4_K_M's 4-bit q and k beside a Q6_K
+v) is a `StackedLinear`, each part in its own format; a group with a part of any other
+type stays dense. Qwen3-MoE's experts, stacked in one 4-bit tensor per projection,
+become a 4-bit gate/up and down per expert (`expert_linears`), so a 4-bit MoE file
+stays 4-bit in memory.
 
 In float32 (CPUs without native bf16), where torch's int kernels run a reference loop,
-the blocks go to kvchat's own kernel as they are (`Q4Linear`, `Q8Linear`): every layer
-computes the file's exact weights at every row count (prefill included) and the
-weights stay 4-bit in memory, the head 8-bit from its Q8_0 blocks.
+every layer goes to kvchat's own kernels (`Q4Linear`, `Q8Linear`), which compute the
+file's exact weights at every row count (prefill included). In bf16 the 4-bit layers
+use torch's int4 kernel and the 8-bit ones kvchat's (faster than torch's int8 kernel
+on a decode row, and exact), each with a dense copy for prefill batches.
 """
 
 from __future__ import annotations
@@ -22,18 +27,17 @@ import torch
 from kvchat.model.config import ModelConfig
 from kvchat.model.gguf.convert import PERMUTED_ARCHITECTURES, undo_llama_cpp_permute
 from kvchat.model.gguf.dequant import (
+    EIGHT_BIT,
     as_byte_tensor,
     block_size,
     bytes_per_block,
-    dequantize,
+    unpack_int8,
     unpack_q4,
-    unpack_q8_0,
 )
 from kvchat.model.gguf.file import GGMLType, GGUFFile
-from kvchat.model.linear import Linear
+from kvchat.model.linear import Linear, StackedLinear
 from kvchat.model.quantized_linear import (
     Int4Linear,
-    Int8Linear,
     Q4Linear,
     Q8Linear,
     int4_supported,
@@ -61,7 +65,8 @@ def quantized_linears(
     dtype: torch.dtype,
     dense: dict[str, torch.Tensor] | None,
 ) -> dict[str, Linear]:
-    """HF-named `Linear`s for the 4-bit matrices; `dense` (HF names) gives prefill copies."""
+    """HF-named `Linear`s for the 4-bit and 8-bit matrices; `dense` (HF names) gives
+    prefill copies and biases."""
     arch = gguf.metadata.get("general.architecture")
     permute = arch in PERMUTED_ARCHITECTURES
     groups = _PHI3_GROUPS if arch == "phi3" else _GROUPS
@@ -72,57 +77,86 @@ def quantized_linears(
     }
     out: dict[str, Linear] = {}
     for i in range(config.num_layers):
+        prefix = f"model.layers.{i}."
         for target, parts in groups.items():
             infos = [gguf.tensors.get(f"blk.{i}.{name}.weight") for name, _ in parts]
-            if any(info is None or info.ggml_type not in FOUR_BIT for info in infos):
-                continue
-            rows = sum(info.shape[0] for info in infos)
-            # kvchat's float32 kernel takes any GGUF 4-bit matrix; torch's needs N % 16
-            if dtype != torch.float32 and not int4_supported(
-                torch.device("cpu"), infos[0].shape[1], rows
-            ):
+            if any(info is None or info.ggml_type not in KEPT for info in infos):
                 continue
             blocks = []
             for (_, kind), info in zip(parts, infos, strict=True):
-                b = unpack_q4(gguf.raw(info.name), info.ggml_type, info.shape)
-                codes, scales, offsets = b.codes, b.scales, b.offsets
+                b = _unpack(gguf, info)
                 if permute and kind in heads:
-                    n = heads[kind]
-                    codes, scales, offsets = (
-                        undo_llama_cpp_permute(t, n) for t in (codes, scales, offsets)
-                    )
-                blocks.append((codes, scales, offsets))
-            prefix = f"model.layers.{i}."
+                    b = tuple(undo_llama_cpp_permute(t, heads[kind]) for t in b)
+                blocks.append(b)
             names = [
                 f"{prefix}{p}.weight"
                 for p in hf_parts.get(target, (target.removesuffix(".weight"),))
             ]
-            bias_names = [n.replace(".weight", ".bias") for n in names]
-            bias = None
-            if dense is not None and all(b in dense for b in bias_names):
-                bias = torch.cat([dense[b] for b in bias_names])
-            dense_copy = None
-            if dense is not None and all(n in dense for n in names):
-                dense_copy = (
-                    torch.cat([dense[n] for n in names]) if len(names) > 1 else dense[names[0]]
-                )
-            if dtype == torch.float32:  # the kernel takes prefill too: no dense copy
-                out[prefix + target] = Q4Linear.fused(blocks, bias=bias)
-            else:
-                out[prefix + target] = Int4Linear.fused(blocks, dtype, bias=bias, dense=dense_copy)
+            # a part per HF name, except Phi-3's files, whose one part holds them all
+            per_part = [[n] for n in names] if len(parts) == len(names) else [names]
+            runs = _runs(blocks, per_part)
+            linears = [_run_linear(run, dense, dtype) for run in runs]
+            if any(linear is None for linear in linears):
+                continue  # torch's int4 kernel cannot take this shape: kept dense
+            out[prefix + target] = linears[0] if len(linears) == 1 else StackedLinear(linears)
     if arch == "qwen3moe":
         out.update(expert_linears(gguf, config, dtype))
     head = gguf.tensors.get("output.weight") or gguf.tensors.get("token_embd.weight")
-    if head is not None and head.ggml_type == GGMLType.Q8_0 and head.shape[1] % 32 == 0:
-        if dtype == torch.float32:
-            # Q8_0's scale a block of 32, exactly: the int8 kernel's one scale a row is
-            # a 1.4% logit error on the default model
-            blocks8 = unpack_q8_0(gguf.raw(head.name), head.shape)
-            out["lm_head"] = Q8Linear(blocks8.codes, blocks8.scales)
-        else:
-            weight = dequantize(gguf.raw(head.name), head.ggml_type, head.shape)
-            out["lm_head"] = Int8Linear(weight, dtype)
+    if head is not None and head.ggml_type in EIGHT_BIT:
+        # the file's exact weights at 8 bits: a Q6_K head (llama-quantize's choice for
+        # Q4_0 and Q4_K_M files) is the largest matrix of a small model
+        codes, scales = _unpack(gguf, head)
+        out["lm_head"] = Q8Linear(codes, scales)
     return out
+
+
+KEPT = (*FOUR_BIT, *EIGHT_BIT)
+"""Types whose matrices stay quantized: the rest are dequantized to the compute dtype."""
+
+
+def _unpack(gguf: GGUFFile, info) -> tuple[torch.Tensor, ...]:
+    """(codes, scales, offsets) of a 4-bit matrix or (codes, scales) of an 8-bit one."""
+    if info.ggml_type in FOUR_BIT:
+        b = unpack_q4(gguf.raw(info.name), info.ggml_type, info.shape)
+        return b.codes, b.scales, b.offsets
+    b8 = unpack_int8(gguf.raw(info.name), info.ggml_type, info.shape)
+    return b8.codes, b8.scales
+
+
+def _runs(blocks: list[tuple], names: list[list[str]]) -> list[tuple[list[tuple], list[str]]]:
+    """Consecutive parts of one format (4-bit, or 8-bit with as many scales a row) fused
+    into one matrix each, with their HF names."""
+    runs: list[tuple[list[tuple], list[str]]] = []
+    last = None
+    for b, part_names in zip(blocks, names, strict=True):
+        key = (len(b), b[1].shape[1] / b[0].shape[1])
+        if key != last:
+            runs.append(([], []))
+            last = key
+        runs[-1][0].append(b)
+        runs[-1][1].extend(part_names)
+    return runs
+
+
+def _run_linear(run: tuple[list[tuple], list[str]], dense, dtype: torch.dtype) -> Linear | None:
+    """One fused run's layer: kvchat's kernels in float32 (every row count, no dense copy),
+    in bf16 torch's int4 kernel or kvchat's 8-bit one with a dense copy for prefill."""
+    blocks, names = run
+    bias_names = [n.replace(".weight", ".bias") for n in names]
+    bias = None
+    if dense is not None and all(b in dense for b in bias_names):
+        bias = torch.cat([dense[b] for b in bias_names])
+    dense_copy = None
+    if dtype != torch.float32 and dense is not None and all(n in dense for n in names):
+        dense_copy = torch.cat([dense[n] for n in names]) if len(names) > 1 else dense[names[0]]
+    if len(blocks[0]) == 2:
+        return Q8Linear.fused(blocks, bias=bias, dense=dense_copy)
+    if dtype == torch.float32:
+        return Q4Linear.fused(blocks, bias=bias)
+    rows = sum(b[0].shape[0] for b in blocks)
+    if not int4_supported(torch.device("cpu"), blocks[0][0].shape[1], rows):
+        return None
+    return Int4Linear.fused(blocks, dtype, bias=bias, dense=dense_copy)
 
 
 def expert_linears(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> dict[str, Linear]:
