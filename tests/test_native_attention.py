@@ -102,7 +102,7 @@ CASES = [
 
 @pytest.mark.usefixtures("kernel")
 @pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("head_dim", [16, 64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_int8", [False, True])
 def test_kernel_matches_float64_reference(case, head_dim, dtype, kv_int8) -> None:

@@ -828,8 +828,11 @@ void dispatch_dim(int64_t D, const at::Tensor& q, const at::Tensor& k, const at:
     case 128:
       return attend_typed<QT, KT, 128>(q, k, v, ks, vs, pages, page_starts, q_starts, ctx_lens,
                                        page_size, scale, out);
+    case 256:  // Gemma 3
+      return attend_typed<QT, KT, 256>(q, k, v, ks, vs, pages, page_starts, q_starts, ctx_lens,
+                                       page_size, scale, out);
     default:
-      TORCH_CHECK(false, "kvchat attention: head_dim ", D, " is not compiled (16, 64, 128)");
+      TORCH_CHECK(false, "kvchat attention: head_dim ", D, " is not compiled (16, 64, 128, 256)");
   }
 }
 

@@ -13,7 +13,7 @@ import torch
 
 from kvchat.native import build
 
-HEAD_DIMS = (16, 64, 128)  # head sizes the kernel is compiled for (16: the tests' tiny models)
+HEAD_DIMS = (16, 64, 128, 256)  # head sizes the kernel is compiled for (16: the tests' tiny models)
 DTYPES = (torch.bfloat16, torch.float32)
 
 
