@@ -1,22 +1,19 @@
-"""Weight-only quantized linear layers: 4-bit groups of 32 and 8-bit per channel.
+"""Weight-only quantized linear layers: a GGUF's blocks as they are, and `--quantize`'s.
 
 Decode at batch 1 is bound by streaming the weights from memory, so fewer bytes a
-weight is more tokens a second: torch's CPU kernels `_weight_int4pack_mm_for_cpu`
-(groups of 32, a scale and a zero per group) and `_weight_int8pack_mm` (a scale
-per output channel) read 4 and 8 bits a weight instead of 16.
+weight is more tokens a second. A GGUF's matrices keep their blocks (`Q4Linear`: 4-bit
+codes with a scale and an offset per 32; `Q8Linear`: int8 codes with a scale per 32 or
+16) and are multiplied by kvchat's own kernel (`kvchat/native/quantized_matmul.cpp`),
+which computes the file's exact weights in float32, bf16 activations widened: torch's
+int kernels run a reference loop in float32 (every CPU without native bf16), and in
+bf16 they were slower on a decode step (docs/kernels.md).
 
-GGUF Q4_0/Q4_1/Q4_K blocks map onto int4 groups of 32 without requantizing:
-tinygemm dequantizes `w = (q - 8) * scale + zero`, GGUF `w = q * scale + offset`,
-so `zero = offset + 8 * scale`; only the scales' rounding to the activation dtype
-differs from the dequantized weights.
+`--quantize` on a Hugging Face folder uses torch's CPU kernels, `_weight_int4pack_mm_for_cpu`
+(`Int4Linear`: groups of 32, a scale and a zero per group; tinygemm dequantizes
+`w = (q - 8) * scale + zero`) and `_weight_int8pack_mm` (`Int8Linear`: a scale per
+output channel).
 
-Both torch kernels are fast only with bf16 activations: with float32 ones (every CPU
-without native bf16) they run a reference loop. There `Q4Linear` and `Q8Linear` keep a
-GGUF's blocks as they are (4-bit codes with a scale and offset per 32, Q8_0's int8 with
-a scale per 32) and multiply them by kvchat's own kernel (`kvchat/native/
-quantized_matmul.cpp`), which computes the file's exact weights in float32.
-
-Large batches (prefill) are compute-bound, where the int kernels are slower than
+Large batches (prefill) are compute-bound, where the quantized kernels are slower than
 a dense matmul; a layer may keep a dense copy (`dense`) for batches of
 `dense_from_rows` rows or more, trading memory for prefill speed (the README says
 how much). Each kind's threshold is measured (docs/kernels.md).
@@ -231,6 +228,10 @@ class _KernelLinear(_WeightOnlyLinear):
         if native_build.loaded() and x.device.type == "cpu":
             self.fallback = None
             return self._kernel(x.contiguous())
+        if self.dense_packed is not None:
+            return packed_linear(x, self.dense_packed, None)
+        if self.dense is not None and self.dense.dtype == x.dtype:
+            return F.linear(x, self.dense)
         if self.fallback is None or self.fallback.dtype != x.dtype:
             self.fallback = self.dequantized().to(x.dtype)
         return F.linear(x, self.fallback)
