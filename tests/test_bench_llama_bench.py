@@ -162,8 +162,15 @@ def test_speed_runs_llama_bench_on_the_file_kvchat_loads_beside_kvchat(tiny_gguf
     assert speed["engines"]["llama-bench"]["weight_bytes_per_token"] == tiny_gguf.stat().st_size
     description = results["engines"]["llama-bench"]
     assert tiny_gguf.name in description and f"{torch.get_num_threads()} threads" in description
+    # its own peak memory, apart from the bench's process (which holds kvchat)
+    peak = speed["engines"]["llama-bench"]["peak_rss"]
+    assert peak["process"] == "llama-bench" and not peak["shared"]
+    assert (
+        tiny_gguf.stat().st_size < peak["bytes"] < speed["engines"]["kvchat"]["peak_rss"]["bytes"]
+    )
     table = (out / "bench.md").read_text().split("## Speed", 1)[1].split("\n## ", 1)[0]
     assert "| llama-bench |" in table and "| kvchat |" in table
+    assert "peak RSS (GiB)" in table
 
 
 @pytest.mark.real_model

@@ -9,19 +9,20 @@ from an empty context (the decode from a short prompt, where kvchat starts after
 tokens). Each bench repeat runs llama-bench once with one repetition (`-r 1`, after
 its own warm-up): the bench interleaves the repeats of every engine, so a noisy
 stretch of the machine falls on all of them alike, where llama-bench's own five
-repetitions would fall on it alone. Its JSON output (`-o json`) gives one row per test.
+repetitions would fall on it alone. Its JSON output (`-o json`) gives one row per test;
+its peak memory is the largest of its runs' (`peak_memory.run_measured`).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvchat.bench.llama_cpp_tools import build_simd
+from kvchat.bench.peak_memory import PeakRss, run_measured
 from kvchat.bench.peers.base import BatchResult, NotApplicable, PeerUnavailable, SpeedResult
 from kvchat.errors import KvchatError
 
@@ -96,6 +97,7 @@ class LlamaBenchPeer:
                 f"llama-bench measures GGUF files; the model is not one ({gguf.name})"
             )
         self.binary, self.gguf, self.threads = binary, gguf, threads
+        self.peak_bytes = 0  # the largest peak resident memory of its runs so far
         simd = build_simd(binary) or ""
         isa = "AVX-512" if "-DGGML_AVX512=ON" in simd else "AVX2" if "AVX2=ON" in simd else "its"
         self.description = (
@@ -120,7 +122,8 @@ class LlamaBenchPeer:
         argv = [str(self.binary), "-m", str(self.gguf), *tests]
         argv += ["-t", str(self.threads), "-r", "1", "-o", "json"]
         env = {**os.environ, "LD_LIBRARY_PATH": str(self.binary.parent)}
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S)
+        done = run_measured(argv, env=env, timeout=RUN_TIMEOUT_S)
+        self.peak_bytes = max(self.peak_bytes, done.peak_bytes)
         if done.returncode != 0:
             raise KvchatError(f"llama-bench failed ({done.returncode}): {done.stderr[-1000:]}")
         return parse_rows(done.stdout)
@@ -132,6 +135,10 @@ class LlamaBenchPeer:
 
     def weight_bytes(self) -> int:
         return self.gguf.stat().st_size
+
+    def peak_rss(self) -> PeakRss | None:
+        """llama-bench's own peak over its runs (None before it ran)."""
+        return PeakRss(self.peak_bytes, self.name, shared=False) if self.peak_bytes else None
 
     def close(self) -> None:
         pass
