@@ -54,11 +54,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_script(name: str, log_name: str, *args: str) -> Path:
+def _run_script(name: str, log_name: str, *args: str, env: dict[str, str] | None = None) -> Path:
     log = logs_dir() / log_name
     with log.open("w") as err:
         done = subprocess.run(
-            ["bash", str(SCRIPTS / name), *args], stdout=subprocess.PIPE, stderr=err, text=True
+            ["bash", str(SCRIPTS / name), *args],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env={**os.environ, **(env or {})},
         )
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
@@ -67,8 +71,12 @@ def _run_script(name: str, log_name: str, *args: str) -> Path:
     return Path(lines[-1])
 
 
-def llama_server_binary() -> Path:
-    return _run_script("build_llama_server.sh", "llama-build.log")
+def llama_server_binary(cpu: str = "native") -> Path:
+    """llama-server built for this CPU, or for an AVX2 laptop's features (`cpu="avx2"`),
+    with llama-bench and llama-quantize beside it."""
+    return _run_script(
+        "build_llama_server.sh", f"llama-build-{cpu}.log", env={"KVCHAT_LLAMA_CPU": cpu}
+    )
 
 
 def vllm_python() -> Path:

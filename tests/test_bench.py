@@ -76,6 +76,22 @@ def test_speed_numbers_are_positive_and_the_bandwidth_is_measured(bench):
     assert speed["weight_bytes_per_token"] > 0
 
 
+def test_every_engine_compared_on_speed_has_its_processs_peak_memory(bench):
+    """kvchat and transformers run in the bench's process: they share its figure."""
+    _, results, out = bench
+    for name in ("speed", "W1", "W2"):
+        engines = results["workloads"][name]["engines"]
+        for engine, entry in engines.items():
+            peak = entry["peak_rss"]
+            assert peak["bytes"] > 0 and peak["shared"] and peak["process"] == "bench", engine
+        assert len({e["peak_rss"]["bytes"] for e in engines.values()}) == 1, name
+    assert "transformers" in results["workloads"]["speed"]["engines"]
+    text = (out / "bench.md").read_text()
+    speed = text.split("## Speed", 1)[1].split("\n## ", 1)[0]
+    assert "peak RSS (GiB)" in speed and "(the bench's process)" in speed
+    assert "run in the bench's own process and share its figure" in speed
+
+
 def test_kvchat_follow_ups_prefill_only_the_new_turn_plus_one_token(bench):
     _, results, _ = bench
     turns = results["workloads"]["W1"]["engines"]["kvchat"]["runs"][0]["turns"]

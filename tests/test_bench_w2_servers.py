@@ -96,5 +96,9 @@ def test_bench_runs_w2_for_llama_server_beside_kvchat(
     median = w2["engines"]["llama-server"]["median"]
     assert median["decode_tok_s"] > 0 and median["wall_s"] > 0 and median["wall_tok_s"] > 0
     assert "-np 8" in results["engines"]["llama-server"]
+    # the server's own peak memory, read before it was stopped: above the model it maps
+    peak = w2["engines"]["llama-server"]["peak_rss"]
+    assert peak["process"] == "llama-server" and not peak["shared"]
+    assert peak["bytes"] > default_gguf_path.stat().st_size / 2
     table = (out / "bench.md").read_text().split("## W2", 1)[1].split("\n## ", 1)[0]
     assert "| llama-server |" in table

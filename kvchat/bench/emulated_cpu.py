@@ -7,7 +7,8 @@ starts itself again with them: kvchat's kernels compiled for x86-64-v3, oneDNN c
 at AVX2 (it then reports no native bf16, and kvchat picks float32), ATen's kernels and
 MKL's (torch's float32 matrix products) at AVX2. The report's machine line says so.
 The llama.cpp peer of such a run is one built for AVX2 only
-(`KVCHAT_LLAMA_CPU=avx2 benchmarks/servers/build_llama_server.sh`, `--llama-server`).
+(`KVCHAT_LLAMA_CPU=avx2 benchmarks/servers/build_llama_server.sh`, `--llama-server`);
+llama-bench comes from that build too (`llama_cpp_tools.find_llama_bench`).
 """
 
 from __future__ import annotations

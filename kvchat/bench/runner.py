@@ -46,7 +46,14 @@ from kvchat.paths import app_paths
 from kvchat.units import format_size
 
 DENSE_NAME = "kvchat-dense"
-PEER_NAMES = ("transformers-naive", "transformers-cache", "llama.cpp", "llama-server", "vllm")
+PEER_NAMES = (
+    "transformers-naive",
+    "transformers-cache",
+    "llama.cpp",
+    "llama-bench",
+    "llama-server",
+    "vllm",
+)
 PEER_ALIASES: dict[str, tuple[str, ...]] = {
     "transformers": ("transformers-naive", "transformers-cache"),
     "hf": ("transformers-naive", "transformers-cache"),
@@ -99,7 +106,8 @@ def load_peers(
     """(chat peers, speed peers, skipped name -> reason) for the requested peer names.
 
     `servers` maps "llama-server" and "vllm" to the paths `--llama-server` and
-    `--vllm-python` gave (a serving engine is a peer only where its path is given).
+    `--vllm-python` gave (a serving engine is a peer only where its path is given);
+    llama-bench comes from beside that llama-server, else from the servers cache.
     """
     chat: dict[str, object] = {}
     speed: dict[str, object] = {}
@@ -138,7 +146,32 @@ def load_peers(
         else:
             chat["llama.cpp"] = llama
             speed["llama.cpp"] = llama
+    if "llama-bench" in names:
+        try:
+            speed["llama-bench"] = _llama_bench_peer(servers.get("llama-server"), model)
+        except PeerUnavailable as exc:
+            skipped["llama-bench"] = str(exc)
     return chat, speed, skipped
+
+
+def _llama_bench_peer(llama_server: str | None, model):
+    """llama-bench of the build for this CPU (or the emulated one), on kvchat's own file,
+    with kvchat's thread count."""
+    import torch
+
+    from kvchat.bench.emulated_cpu import emulated_cpu
+    from kvchat.bench.llama_cpp_tools import find_llama_bench
+    from kvchat.bench.peers.llama_bench import LlamaBenchPeer
+    from kvchat.native.build import cpu_flags
+
+    source = Path(str(model.source))
+    if source.suffix.lower() != ".gguf":
+        return _raise(f"llama-bench measures GGUF files; the model is not one ({source.name})")
+    try:
+        binary = find_llama_bench(llama_server, cpu_flags(), emulated_cpu() or "native")
+    except KvchatError as exc:
+        raise PeerUnavailable(str(exc)) from exc
+    return LlamaBenchPeer(binary, source, torch.get_num_threads())
 
 
 def _serving_peer(name: str, path: str | None, model, progress):
@@ -269,6 +302,8 @@ def main(args) -> int:
         return 0
     workloads = parse_workloads(args.workloads)
     peer_names = parse_peers(args.peers)
+    if "speed" not in workloads:  # llama-bench measures speed only
+        peer_names = [n for n in peer_names if n != "llama-bench"]
     if args.repeats is not None and args.repeats < 1:
         raise KvchatError("--repeats must be at least 1.")
     if args.temperature:

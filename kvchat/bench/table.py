@@ -66,6 +66,39 @@ def median_share(header: str, key: str) -> Column:
     return Column(header, lambda entry: f"{entry['median'][key]:.1%}")
 
 
+def peak_rss_columns(engines: Mapping[str, dict]) -> list[Column]:
+    """The engines' peak memory, in GiB, where the results have it: results from before
+    it was recorded keep their tables as they were."""
+    if not any("peak_rss" in entry for entry in engines.values()):
+        return []
+    return [Column("peak RSS (GiB)", _peak_cell)]
+
+
+def _peak_cell(entry: dict) -> str:
+    peak = entry.get("peak_rss")
+    if peak is None:
+        return MISSING
+    gib = f"{peak['bytes'] / 2**30:.2f}"
+    return f"{gib} (the bench's process)" if peak["shared"] else gib
+
+
+def peak_rss_note(engines: Mapping[str, dict]) -> list[str]:
+    """What the peak column measures, under a table that has it; [] otherwise."""
+    if not any("peak_rss" in entry for entry in engines.values()):
+        return []
+    text = (
+        "Peak RSS: the engine process's resident high-water mark when the workload ended "
+        "(a server's: its processes' added)."
+    )
+    shared = [name for name, e in engines.items() if e.get("peak_rss", {}).get("shared")]
+    if shared:
+        text += (
+            f" {', '.join(shared)} run in the bench's own process and share its figure, "
+            "which counts every model it loaded."
+        )
+    return ["", text]
+
+
 def engine_table(engines: Mapping[str, dict], first: str, columns: Sequence[Column]) -> list[str]:
     """One row per engine, in the JSON's order: its name under `first`, then the columns."""
     header = [first, *(column.header for column in columns)]

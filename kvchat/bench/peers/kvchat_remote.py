@@ -152,5 +152,10 @@ class KvchatRemotePeer:
         """W2 through the server: a fresh chat, one session per question, all said at once."""
         return concurrent_on_fresh_chat(self, questions, tokens_each, capacity_tokens)
 
+    def peak_rss(self) -> None:
+        """None: the server runs elsewhere, not started by the bench, so no figure of its
+        memory is the bench's to give (and the bench's own process is not it)."""
+        return None
+
     def close(self) -> None:
         """Nothing held between chats."""

@@ -8,7 +8,9 @@ session's whole conversation, as any OpenAI client does, and the server finds
 the cached prefix; the turn's prefilled tokens are the prompt less the server's
 own `cached_tokens`. Every chat starts with nothing cached: llama-server is
 restarted (it starts in about a second), vLLM's prefix cache is reset.
-TTFT is taken from the request to the first streamed text.
+TTFT is taken from the request to the first streamed text. A server's peak memory is
+its process group's (`peak_memory.group_peak`), read before it is stopped; llama-server's
+is the largest of its restarts'.
 
 W2 (`concurrent`) streams one new conversation per question, all at once, with
 the same request as a chat's first turn; the server batches them. llama-server
@@ -34,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvchat.bench.peak_memory import PeakRss, group_peak
 from kvchat.bench.peers.base import (
     BatchResult,
     PeerUnavailable,
@@ -57,6 +60,7 @@ class _Process:
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int) -> None:
         self.name, self.port = name, port
+        self.peak_seen = 0  # the largest peak of its process group read so far
         self.log = Path(tempfile.mkstemp(prefix=f"kvchat-bench-{name}-", suffix=".log")[1])
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(
@@ -78,8 +82,15 @@ class _Process:
         self.stop()
         raise PeerUnavailable(f"{name} was not ready after {READY_TIMEOUT_S:.0f} s")
 
+    def peak_bytes(self) -> int:
+        """The peak resident memory of its processes, added (the largest read while it ran)."""
+        if self.process.poll() is None:
+            self.peak_seen = max(self.peak_seen, group_peak(self.process.pid) or 0)
+        return self.peak_seen
+
     def stop(self) -> None:
         if self.process.poll() is None:
+            self.peak_bytes()  # while it still runs: a process that exited has no VmHWM
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGTERM)
             try:
@@ -212,6 +223,7 @@ class LlamaServerPeer:
             f"llama-server -np 4 (RAM prompt cache on; W2: -np 8, a slot a session), {gguf.name}"
         )
         self.server: _Process | None = None
+        self.peak_seen = 0  # the largest peak of the servers it stopped
 
     def chat(self, capacity_tokens: int, slots: int = 4) -> ServerChat:
         self.close()  # a fresh chat: nothing cached
@@ -237,9 +249,16 @@ class LlamaServerPeer:
         finally:
             chat.close()
 
+    def peak_rss(self) -> PeakRss | None:
+        """The largest peak of the servers it started so far (None before the first)."""
+        live = self.server.peak_bytes() if self.server is not None else 0
+        peak = max(self.peak_seen, live)
+        return PeakRss(peak, self.name, shared=False) if peak else None
+
     def close(self) -> None:
         if self.server is not None:
             self.server.stop()
+            self.peak_seen = max(self.peak_seen, self.server.peak_seen)
             self.server = None
 
 
@@ -282,6 +301,11 @@ class VllmPeer:
     ) -> BatchResult:
         """W2 on the running server, its prefix cache reset first as for a chat."""
         return concurrent_on_fresh_chat(self, questions, tokens_each, capacity_tokens)
+
+    def peak_rss(self) -> PeakRss | None:
+        """The peak of its processes, the engine core's included."""
+        peak = self.server.peak_bytes()
+        return PeakRss(peak, self.name, shared=False) if peak else None
 
     def close(self) -> None:
         self.server.stop()

@@ -3,7 +3,9 @@
 Repeats are interleaved (repeat 1 of every engine, then repeat 2...), so a noisy
 stretch of the machine falls on all engines alike. Every workload returns the same
 shape: `{"engines": {name: {"runs": [...], "median": {...}}}, "not_applicable": {name:
-reason}, "errors": {name: message}, ...}`, plus figures of its own.
+reason}, "errors": {name: message}, ...}`, plus figures of its own; where the engines'
+speed is compared (speed, W1, W2), each engine's entry also has its process's peak
+memory (`"peak_rss"`, `record_peaks`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import statistics
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
+from kvchat.bench.peak_memory import engine_peak
 from kvchat.bench.peers.base import ChatEngine, NotApplicable
 from kvchat.bench.workloads.context import BenchContext
 
@@ -43,6 +46,16 @@ def repeat_interleaved(
     for entry in out["engines"].values():
         entry["median"] = median_of_runs(entry["runs"])
     return out
+
+
+def record_peaks(out: dict, peers: Mapping[str, object]) -> None:
+    """Each engine's peak resident memory beside its figures, read when the workload ends
+    (`peak_memory`): a high-water mark of the run so far, not of this workload alone."""
+    for name, entry in out["engines"].items():
+        peer = peers.get(name)
+        peak = engine_peak(peer) if peer is not None else None
+        if peak is not None:
+            entry["peak_rss"] = peak.to_json()
 
 
 def median_of_runs(runs: list) -> object:

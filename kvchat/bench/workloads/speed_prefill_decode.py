@@ -5,7 +5,8 @@ planned length; decode generates a fixed number of tokens after a long prompt an
 after a short one (llama-bench's tg figures start from an empty context). The
 machine's memory read bandwidth, measured with a large torch reduction, over the
 weight bytes a decode step streams, bounds the decode rate; the report gives each
-engine's share of that bound, in the engine's own weight format.
+engine's share of that bound, in the engine's own weight format, and each engine
+process's peak memory.
 """
 
 from __future__ import annotations
@@ -20,9 +21,16 @@ from kvchat.bench.machine import (
     weight_bytes_per_token,
 )
 from kvchat.bench.peers.base import SHORT_DECODE_PROMPT
-from kvchat.bench.table import Column, engine_table, median_number, number
+from kvchat.bench.table import (
+    Column,
+    engine_table,
+    median_number,
+    number,
+    peak_rss_columns,
+    peak_rss_note,
+)
 from kvchat.bench.workloads.context import BenchContext
-from kvchat.bench.workloads.repeats import repeat_interleaved
+from kvchat.bench.workloads.repeats import record_peaks, repeat_interleaved
 from kvchat.bench.workloads.workload import Workload
 from kvchat.units import format_size
 
@@ -49,6 +57,7 @@ def run_speed(ctx: BenchContext) -> dict:
 
     peers = {"kvchat": ctx.kvchat, **ctx.kvchat_variants, **ctx.speed_peers}
     out = repeat_interleaved(ctx, "speed", {name: one(peer) for name, peer in peers.items()})
+    record_peaks(out, peers)
     gbs = statistics.median(bandwidth)
     wbytes = weight_bytes_per_token(model.transformer)
     out["memory_bandwidth_gbs"] = {"runs": bandwidth, "median": gbs}
@@ -94,6 +103,7 @@ def speed_table(w: dict) -> list[str]:
             lambda e: number(e["median"].get("short_decode_tok_s"), 1),
         ),
         Column("share of the bandwidth bound", lambda e: f"{e['bandwidth_fraction']:.0%}"),
+        *peak_rss_columns(w["engines"]),
     ]
     bw = w["memory_bandwidth_gbs"]["median"]
     decode = w.get("decode", {})
@@ -108,6 +118,7 @@ def speed_table(w: dict) -> list[str]:
         f"(torch): {bw:.1f} GB/s; "
         f"{format_size(w['weight_bytes_per_token'])} of weights per token, so decode is bound "
         f"near {w['decode_bound_tok_s']:.0f} tok/s (llama.cpp streams its own quantized file).",
+        *peak_rss_note(w["engines"]),
     ]
 
 

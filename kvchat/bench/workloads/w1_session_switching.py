@@ -17,10 +17,17 @@ from pathlib import Path
 from kvchat.bench import documents as docs
 from kvchat.bench.chart import log_line_chart
 from kvchat.bench.peers.base import ChatEngine, TurnResult
-from kvchat.bench.table import Column, engine_table, median_number, number
+from kvchat.bench.table import (
+    Column,
+    engine_table,
+    median_number,
+    number,
+    peak_rss_columns,
+    peak_rss_note,
+)
 from kvchat.bench.workloads.context import BenchContext
 from kvchat.bench.workloads.plan import BenchPlan
-from kvchat.bench.workloads.repeats import chat_run, repeat_interleaved
+from kvchat.bench.workloads.repeats import chat_run, record_peaks, repeat_interleaved
 from kvchat.bench.workloads.workload import Chart, Workload
 
 
@@ -86,6 +93,7 @@ def run_w1(ctx: BenchContext) -> dict:
         for name, peer in [("kvchat", ctx.kvchat), *ctx.chat_peers.items()]
     }
     out = repeat_interleaved(ctx, "W1", engines)
+    record_peaks(out, {"kvchat": ctx.kvchat, **ctx.chat_peers})
     out["documents"] = {"files": list(docs.W1_FILES), "tokens_each": plan.doc_tokens}
     out["rounds"] = plan.rounds
     out["answer_tokens"] = plan.answer_tokens
@@ -105,6 +113,7 @@ def w1_table(w: dict) -> list[str]:
         median_number("slowest follow-up (s)", "ttft_follow_up_max_s", 3),
         median_number("prefilled tokens", "prefilled_tokens"),
         median_number("follow-up prefill beyond new tokens", "follow_up_excess_prefill"),
+        *peak_rss_columns(w["engines"]),
     ]
     documents = w.get("documents", {})
     lines = [
@@ -112,6 +121,7 @@ def w1_table(w: dict) -> list[str]:
         f"{w.get('rounds')} rounds of follow-ups, {w.get('answer_tokens')}-token answers",
         "",
         *engine_table(w["engines"], "engine", columns),
+        *peak_rss_note(w["engines"]),
     ]
     ours = w["engines"].get("kvchat")
     if ours:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvchat.bench import documents as docs
-from kvchat.bench.table import engine_table, median_number
+from kvchat.bench.table import engine_table, median_number, peak_rss_columns, peak_rss_note
 from kvchat.bench.workloads.context import BenchContext, disk_variant
-from kvchat.bench.workloads.repeats import repeat_interleaved
+from kvchat.bench.workloads.repeats import record_peaks, repeat_interleaved
 from kvchat.bench.workloads.workload import Workload
 
 
@@ -42,6 +42,10 @@ def run_w2(ctx: BenchContext) -> dict:
     engines |= {n: one(p) for n, p in ctx.speed_peers.items()}
     engines |= {n: sessions(p) for n, p in ctx.chat_peers.items() if hasattr(p, "concurrent")}
     out = repeat_interleaved(ctx, "W2", engines)
+    record_peaks(
+        out,
+        {"kvchat": ctx.kvchat, **dict(disk_variant(ctx)), **ctx.speed_peers, **ctx.chat_peers},
+    )
     out["sessions"] = plan.w2_sessions
     out["tokens_each"] = plan.w2_tokens
     return out
@@ -52,11 +56,13 @@ def w2_table(w: dict) -> list[str]:
         median_number("aggregate decode (tok/s)", "decode_tok_s", 1),
         median_number("wall, prefill included (tok/s)", "wall_tok_s", 1),
         median_number("wall (s)", "wall_s"),
+        *peak_rss_columns(w["engines"]),
     ]
     return [
         f"## W2: {w.get('sessions')} sessions generating {w.get('tokens_each')} tokens at once",
         "",
         *engine_table(w["engines"], "engine", columns),
+        *peak_rss_note(w["engines"]),
     ]
 
 
