@@ -70,49 +70,35 @@ def close_to_exact(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert worst <= 1.0, f"error {worst:.2f}x the float32 bound"
 
 
-@pytest.mark.parametrize(
-    ("ggml_type", "compact"),
-    [(GGMLType.Q4_0, False), (GGMLType.Q4_1, False), (GGMLType.Q4_K, False), (GGMLType.Q4_K, True)],
-)
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K])
 @pytest.mark.parametrize("out_features", [1, 7, 33, 97])
-def test_q4_kernel_computes_the_dequantized_weights(ggml_type, compact, out_features):
+def test_q4_kernel_computes_the_dequantized_weights(ggml_type, out_features):
     in_features = 512 if ggml_type == GGMLType.Q4_K else 96
     raw = random_blocks(ggml_type, out_features, in_features, seed=out_features)
     shape = (out_features, in_features)
     weight = dequantize(raw, ggml_type, shape).float()
-    blocks = unpack_q4(raw, ggml_type, shape, compact=compact)
-    supers = (blocks.scale_supers, blocks.offset_supers) if compact else ()
-    layer = Q4Linear(blocks.codes, blocks.scales, blocks.offsets, *supers)
-    if compact:  # the file's 6-bit sub-scales and sub-mins, a byte each
-        assert layer.scales.dtype == torch.uint8 and layer.offsets.dtype == torch.uint8
+    blocks = unpack_q4(raw, ggml_type, shape)
+    layer = Q4Linear(blocks.codes, blocks.scales, blocks.offsets)
     assert torch.equal(layer.dequantized(), weight)
     g = torch.Generator().manual_seed(1)
     for rows in ROW_COUNTS:
         x = torch.randn(rows, in_features, generator=g)
         close_to_exact(layer(x), x, weight)
-        if not compact:
-            # float32 scales (a file's values that float16 cannot hold) take the same path
-            y = torch.ops.kvchat.q4_matmul(
-                x, layer.codes, layer.scales.float(), layer.offsets.float()
-            )
-            close_to_exact(y, x, weight)
+        # float32 scales (a file's values that float16 cannot hold) take the same path
+        y = torch.ops.kvchat.q4_matmul(x, layer.codes, layer.scales.float(), layer.offsets.float())
+        close_to_exact(y, x, weight)
 
 
-@pytest.mark.parametrize(
-    ("ggml_type", "compact"),
-    [(GGMLType.Q8_0, False), (GGMLType.Q5_0, False), (GGMLType.Q6_K, False), (GGMLType.Q6_K, True)],
-)
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q6_K])
 @pytest.mark.parametrize("out_features", [1, 5, 64, 131])
-def test_q8_kernel_computes_the_dequantized_weights(ggml_type, compact, out_features):
+def test_q8_kernel_computes_the_dequantized_weights(ggml_type, out_features):
     in_features = 512 if ggml_type == GGMLType.Q6_K else 160
     raw = random_blocks(ggml_type, out_features, in_features, seed=out_features)
     shape = (out_features, in_features)
     weight = dequantize(raw, ggml_type, shape).float()
-    blocks = unpack_int8(raw, ggml_type, shape, compact=compact)
+    blocks = unpack_int8(raw, ggml_type, shape)
     assert blocks.group == (16 if ggml_type == GGMLType.Q6_K else 32)
-    layer = Q8Linear(blocks.codes, blocks.scales, *((blocks.scale_supers,) if compact else ()))
-    if compact:  # the file's int8 sub-scales, a byte each
-        assert layer.scales.dtype == torch.int8
+    layer = Q8Linear(blocks.codes, blocks.scales)
     if ggml_type != GGMLType.Q6_K:  # a GGUF's f16 scales are kept as they are
         assert layer.scales.dtype == torch.float16
     assert torch.equal(layer.dequantized(), weight)
@@ -170,13 +156,6 @@ def test_misshapen_arguments_are_refused_with_the_reason():
     with pytest.raises(RuntimeError, match="offsets"):
         torch.ops.kvchat.q4_matmul(
             torch.randn(1, 64), layer.codes, layer.scales, layer.offsets.float()
-        )
-    with pytest.raises(RuntimeError, match="super-scales"):  # integer scales alone
-        torch.ops.kvchat.q4_matmul(
-            torch.randn(1, 64),
-            layer.codes,
-            layer.scales.to(torch.uint8),
-            layer.offsets.to(torch.uint8),
         )
 
 

@@ -12,9 +12,7 @@
 // element j + 16 in its high one (GGUF's Q4_0/Q4_1 order); an 8-bit group is 32 signed
 // bytes. Each group has a scale (and a 4-bit one an offset) in float32 or float16; the
 // half ones are converted a row at a time. An 8-bit group may instead have a scale per
-// half (16 weights): Q6_K's sub-blocks, whose scales no one scale per 32 can hold. Scales
-// and offsets may also come as a K-quant stores them, 8-bit integers each times a float16
-// per 256 columns (`Scales`), expanded a row at a time like the half ones. Decode (one or two rows) streams each weight
+// half (16 weights): Q6_K's sub-blocks, whose scales no one scale per 32 can hold. Decode (one or two rows) streams each weight
 // row once through the fused loop; a few more rows dequantize a weight row once into a
 // buffer that stays in L1 and take the activation rows four at a time; prefill batches
 // dequantize a tile of weight rows and hand it to torch's matrix product.
@@ -40,7 +38,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -306,40 +303,23 @@ void buffered_tile(const float* w, const float* x, int64_t k, int64_t rows, floa
   buffered_row<R>(w, x, k, dots);
 }
 
-// A matrix's scales (or offsets) as stored: float32 or float16 values, or a K-quant's
-// integer sub-scales, each times its 256 columns' float16 super-scale (`supers`, [N,
-// K / 256]): Q4_K's and Q6_K's own bytes, a quarter or half of float16 scales' (a
-// decode step streams them with the codes). `values` is null where there are none.
+// A row's float32 scales (or offsets), converted from half where they are stored so.
 template <typename S>
-struct Scales {
-  const S* values = nullptr;
-  const c10::Half* supers = nullptr;
-  int64_t per_super = 1;  // values a super-scale covers: K / 256 divides a row's count
-
-  // Values [at, at + n) of the flattened [N, per_row] array as float32 (`scratch` holds n).
-  const float* floats(int64_t at, int64_t n, float* scratch) const {
-    const S* p = values + at;
-    if constexpr (std::is_same_v<S, float>) {
-      return p;
-    } else if constexpr (std::is_same_v<S, c10::Half>) {
-      int64_t i = 0;
+const float* as_floats(const S* p, int64_t n, float* scratch) {
+  if constexpr (std::is_same_v<S, float>) {
+    return p;
+  } else {
+    int64_t i = 0;
 #if defined(__F16C__)
-      for (; i + 8 <= n; i += 8) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
-        _mm256_storeu_ps(scratch + i, _mm256_cvtph_ps(h));
-      }
-#endif
-      for (; i < n; ++i) scratch[i] = static_cast<float>(p[i]);
-      return scratch;
-    } else {
-      // exact: an 8-bit integer times a float16 fits float32's 24-bit significand
-      for (int64_t i = 0; i < n; ++i) {
-        scratch[i] = static_cast<float>(p[i]) * static_cast<float>(supers[(at + i) / per_super]);
-      }
-      return scratch;
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
+      _mm256_storeu_ps(scratch + i, _mm256_cvtph_ps(h));
     }
+#endif
+    for (; i < n; ++i) scratch[i] = static_cast<float>(p[i]);
+    return scratch;
   }
-};
+}
 
 // A pass of fused_rows over weight rows [row, row + W) for the m (<= 2) activation rows.
 template <typename F, int W>
@@ -369,8 +349,7 @@ template <typename F>
 constexpr int64_t scratch_floats(int64_t groups) { return (F::kScales + 1) * groups; }
 
 template <typename F, typename S>
-void dequantize_rows(const uint8_t* codes, const Scales<S>& scales, const Scales<S>& offsets,
-                     int64_t k,
+void dequantize_rows(const uint8_t* codes, const S* scales, const S* offsets, int64_t k,
                      int64_t begin, int64_t end, int64_t g0, int64_t g1, float* dst,
                      float* scratch) {
   const int64_t groups = k / kGroup, width = (g1 - g0) * kGroup;
@@ -379,8 +358,8 @@ void dequantize_rows(const uint8_t* codes, const Scales<S>& scales, const Scales
   for (int64_t row = begin; row < end; ++row) {
     const int64_t first = row * groups + g0;
     const uint8_t* c = codes + first * F::kBytes;
-    const float* s = scales.floats(first * F::kScales, (g1 - g0) * F::kScales, scale_row);
-    const float* o = F::kOffset ? offsets.floats(first, g1 - g0, offset_row) : nullptr;
+    const float* s = as_floats(scales + first * F::kScales, (g1 - g0) * F::kScales, scale_row);
+    const float* o = F::kOffset ? as_floats(offsets + first, g1 - g0, offset_row) : nullptr;
     float* w = dst + (row - begin) * width;
     for (int64_t g = 0; g < g1 - g0; ++g) {
       Vec v[kPerGroup];
@@ -394,8 +373,8 @@ void dequantize_rows(const uint8_t* codes, const Scales<S>& scales, const Scales
 // out[m, n] = sum_k x[m, k] * w[n, k] for weight rows [begin, end).
 template <typename F, typename S>
 void matmul_rows(const float* x, const float* xsum, int64_t m, int64_t k, const uint8_t* codes,
-                 const Scales<S>& scales, const Scales<S>& offsets, int64_t begin, int64_t end,
-                 int64_t n, float* out) {
+                 const S* scales, const S* offsets, int64_t begin, int64_t end, int64_t n,
+                 float* out) {
   const int64_t groups = k / kGroup;
   constexpr int W = kFusedWeightRows;
   if (m <= kFusedRows) {
@@ -403,10 +382,11 @@ void matmul_rows(const float* x, const float* xsum, int64_t m, int64_t k, const 
     for (int64_t row = begin; row < end;) {
       const int64_t take = end - row >= W ? W : 1;
       const uint8_t* c = codes + row * groups * F::kBytes;
-      const float* s =
-          scales.floats(row * groups * F::kScales, take * groups * F::kScales, scale_rows.data());
-      const float* o =
-          F::kOffset ? offsets.floats(row * groups, take * groups, offset_rows.data()) : nullptr;
+      const float* s = as_floats(scales + row * groups * F::kScales, take * groups * F::kScales,
+                                 scale_rows.data());
+      const float* o = F::kOffset
+                           ? as_floats(offsets + row * groups, take * groups, offset_rows.data())
+                           : nullptr;
       for (int64_t r0 = 0; r0 < m; r0 += 2) {
         const int64_t pair = std::min<int64_t>(2, m - r0);
         if (take == W) {
@@ -441,8 +421,8 @@ void matmul_rows(const float* x, const float* xsum, int64_t m, int64_t k, const 
 // loop above cannot match; tiles along K accumulate into the same output columns. Only
 // one tile is ever dequantized, so the weights stay 4-bit in memory.
 template <typename F, typename S>
-void tiled_matmul(const at::Tensor& x, const uint8_t* codes, const Scales<S>& scales,
-                  const Scales<S>& offsets, at::Tensor& out) {
+void tiled_matmul(const at::Tensor& x, const uint8_t* codes, const S* scales, const S* offsets,
+                  at::Tensor& out) {
   const int64_t k = x.size(1), n = out.size(1);
   const int64_t width = std::min<int64_t>(k, kTileColumns);
   const int64_t fit = kTileBytes / (width * static_cast<int64_t>(sizeof(float)));
@@ -471,34 +451,10 @@ void tiled_matmul(const at::Tensor& x, const uint8_t* codes, const Scales<S>& sc
   }
 }
 
-// Checks `scales` (or offsets) against the weight and returns what `Scales` reads: float32
-// or float16 values, or 8-bit integer sub-scales with their float16 `supers` [N, K / 256].
-template <typename S>
-Scales<S> scales_of(const at::Tensor& t, const std::optional<at::Tensor>& supers, int64_t n,
-                    int64_t k, int64_t per_row, const char* op, const char* what) {
-  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.size(0) == n && t.size(1) == per_row, op,
-              ": ", what, " [N, ", per_row, "], contiguous");
-  Scales<S> out;
-  out.values = t.data_ptr<S>();
-  if constexpr (std::is_integral_v<S>) {
-    TORCH_CHECK(supers.has_value() && k % 256 == 0, op, ": integer ", what,
-                " need their float16 super-scales (K a multiple of 256)");
-    TORCH_CHECK(supers->dim() == 2 && supers->is_contiguous() && supers->size(0) == n &&
-                    supers->size(1) == k / 256 && supers->scalar_type() == at::kHalf,
-                op, ": ", what, "' super-scales [N, K / 256] float16, contiguous");
-    out.supers = supers->data_ptr<c10::Half>();
-    out.per_super = per_row / (k / 256);
-  } else {
-    TORCH_CHECK(!supers.has_value(), op, ": super-scales go with integer ", what);
-  }
-  return out;
-}
-
 template <typename F>
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
                             const at::Tensor& scales, const at::Tensor* offsets,
-                            const std::optional<at::Tensor>& scale_supers,
-                            const std::optional<at::Tensor>& offset_supers, const char* op) {
+                            const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x a contiguous [rows, K] tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": x float32 or bfloat16");
@@ -508,11 +464,15 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
                   codes.size(1) == k / kGroup * F::kBytes,
               op, ": codes [N, K / 32 * ", F::kBytes, "] uint8, contiguous");
   const auto scale_type = scales.scalar_type();
-  TORCH_CHECK(scale_type == at::kFloat || scale_type == at::kHalf || scale_type == at::kChar ||
-                  scale_type == at::kByte,
-              op, ": scales float32, float16, int8 or uint8");
+  TORCH_CHECK(scale_type == at::kFloat || scale_type == at::kHalf, op,
+              ": scales float32 or float16");
+  TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.size(0) == n &&
+                  scales.size(1) == k / kGroup * F::kScales,
+              op, ": scales [N, K / ", kGroup / F::kScales, "], contiguous");
   if (offsets != nullptr) {
-    TORCH_CHECK(offsets->scalar_type() == scale_type, op, ": offsets typed like the scales");
+    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->is_contiguous() &&
+                    offsets->scalar_type() == scale_type,
+                op, ": offsets shaped and typed like the scales");
   }
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   at::Tensor out = at::empty({m, n}, xf.options());
@@ -527,16 +487,13 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
   }
   auto run = [&](auto scale_tag) {
     using S = decltype(scale_tag);
-    const int64_t groups = k / kGroup;
-    const Scales<S> sc = scales_of<S>(scales, scale_supers, n, k, groups * F::kScales, op, "scales");
-    const Scales<S> off = offsets != nullptr
-                              ? scales_of<S>(*offsets, offset_supers, n, k, groups, op, "offsets")
-                              : Scales<S>{};
+    const S* sp = scales.data_ptr<S>();
+    const S* offp = offsets != nullptr ? offsets->data_ptr<S>() : nullptr;
     auto body = [&](int64_t begin, int64_t end) {
-      matmul_rows<F, S>(xp, xsum.data(), m, k, cp, sc, off, begin, end, n, op_out);
+      matmul_rows<F, S>(xp, xsum.data(), m, k, cp, sp, offp, begin, end, n, op_out);
     };
     if (m >= tile_from_rows(k)) {
-      tiled_matmul<F, S>(xf, cp, sc, off, out);
+      tiled_matmul<F, S>(xf, cp, sp, offp, out);
     } else if (n <= grain) {
       body(0, n);
     } else {
@@ -545,35 +502,24 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
   };
   if (scale_type == at::kFloat) {
     run(float{});
-  } else if (scale_type == at::kHalf) {
-    run(c10::Half{});
-  } else if (scale_type == at::kChar) {
-    run(int8_t{});
   } else {
-    run(uint8_t{});
+    run(c10::Half{});
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-// Scales (and offsets) [N, K / 32]; integer ones with their super-scales (Q4_K's bytes).
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                     const at::Tensor& offsets, const std::optional<at::Tensor>& scale_supers,
-                     const std::optional<at::Tensor>& offset_supers) {
-  return quantized_matmul<Q4>(x, codes, scales, &offsets, scale_supers, offset_supers,
-                              "q4_matmul");
+                     const at::Tensor& offsets) {
+  return quantized_matmul<Q4>(x, codes, scales, &offsets, "q4_matmul");
 }
 
-// Scales [N, K / 32] (Q8_0) or [N, K / 16] (a scale per half group: Q6_K's sub-blocks,
-// float or int8 with their super-scales).
-at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& scale_supers) {
+// Scales [N, K / 32] (Q8_0) or [N, K / 16] (a scale per half group: Q6_K's sub-blocks).
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
   if (x.dim() == 2 && scales.dim() == 2 && scales.size(1) == x.size(1) / (kGroup / 2) &&
       x.size(1) % kGroup == 0) {
-    return quantized_matmul<Q8Halves>(x, codes, scales, nullptr, scale_supers, std::nullopt,
-                                      "q8_matmul");
+    return quantized_matmul<Q8Halves>(x, codes, scales, nullptr, "q8_matmul");
   }
-  return quantized_matmul<Q8>(x, codes, scales, nullptr, scale_supers, std::nullopt,
-                              "q8_matmul");
+  return quantized_matmul<Q8>(x, codes, scales, nullptr, "q8_matmul");
 }
 
 // Which vector path this library was compiled with ("avx512", "avx2", "portable"),
@@ -583,10 +529,8 @@ std::string quantized_matmul_isa() { return kIsa; }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvchat, m) {
-  m.def(
-      "q4_matmul(Tensor x, Tensor codes, Tensor scales, Tensor offsets, "
-      "Tensor? scale_supers=None, Tensor? offset_supers=None) -> Tensor");
-  m.def("q8_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? scale_supers=None) -> Tensor");
+  m.def("q4_matmul(Tensor x, Tensor codes, Tensor scales, Tensor offsets) -> Tensor");
+  m.def("q8_matmul(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("quantized_matmul_isa() -> str", quantized_matmul_isa);
 }
 
