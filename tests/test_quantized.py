@@ -209,3 +209,45 @@ def test_default_model_int4_path_agrees_with_dequantized_bf16(default_gguf_path,
     # 16 rows a step (the dense copy, before PACKED_FROM_TOKENS) it was [59, 62, 62, 62, 63].
     # Asserted: >= 60 on average, >= 56 on each.
     assert sum(stepwise) >= 60 * len(stepwise) and min(stepwise) >= 56, stepwise
+
+
+def test_an_older_versions_prepared_layers_are_removed(tmp_path):
+    """Each kvchat version that changes the prepared layers writes a new file (a GB or
+    more for a 1B model); the ones an older version wrote are deleted, not kept forever."""
+    path = write_tiny_gguf(tmp_path / "tiny-stale.gguf", "Q4_0", seed=11)
+    first = load_model(str(path), dtype="bfloat16", device="cpu")
+    (current,) = first.folder.glob("native-q4-v*-bfloat16.safetensors")
+    stale = first.folder / "native-q4-v1-bfloat16.safetensors"
+    stale.write_bytes(b"an older format")
+    other_dtype = first.folder / "native-q4-v1-float32.safetensors"
+    other_dtype.write_bytes(b"an older format")
+    current.unlink()  # as when the version changes: the layers are prepared again
+    load_model(str(path), dtype="bfloat16", device="cpu")
+    assert current.is_file() and not stale.exists()
+    assert other_dtype.exists()  # float32's are cleaned when float32 prepares its own
+
+
+def test_a_full_disk_while_converting_is_a_clear_error(tmp_path, monkeypatch):
+    """safetensors reports a full disk as its own error, not OSError: the user gets what
+    to do, and no half-written file is left."""
+    from safetensors import SafetensorError
+
+    from kvchat.errors import ModelLoadError
+    from kvchat.model import loader
+
+    def disk_full(tensors, filename, *args, **kwargs):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device")
+
+    monkeypatch.setattr(loader, "save_file", disk_full)
+    path = write_tiny_gguf(tmp_path / "tiny-full.gguf", "Q4_0", seed=12)
+    with pytest.raises(ModelLoadError, match="Is the disk full") as caught:
+        load_model(str(path), dtype="bfloat16", device="cpu")
+    assert "GiB free" in str(caught.value)
+    folder = next(
+        p
+        for p in loader.app_paths().models_dir.glob("converted/*")
+        if p.is_dir() and (p / "source.json").read_text().find("tiny-full") >= 0
+    )
+    assert not list(folder.glob("*.partial"))

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from kvchat.errors import ModelLoadError
@@ -161,9 +162,13 @@ def _native_quantized(source, folder, config, dtype, tensors, progress) -> dict:
             return load_linears(cache)
         except Exception:  # a damaged cache is rebuilt, never fatal
             cache.unlink(missing_ok=True)
+    # an older kvchat's prepared layers are never read again: a GB or more each
+    for stale in folder.glob(f"native-q4-v*-{dtype_name(dtype)}.*"):
+        stale.unlink(missing_ok=True)
     progress("Preparing the 4-bit weights for the CPU kernels, once...")
     quantized = quantized_linears(GGUFFile.open(source), config, dtype, tensors)
-    with contextlib.suppress(OSError):  # no room to cache: it is rebuilt at the next start
+    # no room to cache: it is rebuilt at the next start
+    with contextlib.suppress(OSError, SafetensorError):
         save_linears(cache, quantized)
     return quantized
 
@@ -186,7 +191,8 @@ def _quantized_folder(fingerprint, mode, config, dtype, device, tensors) -> dict
         except Exception:  # a damaged cache is rebuilt, never fatal
             cache.unlink(missing_ok=True)
     quantized = quantize_weights(tensors, config, mode, dtype, device)
-    with contextlib.suppress(OSError):  # no room to cache: it is rebuilt at the next start
+    # no room to cache: it is rebuilt at the next start
+    with contextlib.suppress(OSError, SafetensorError):
         cache.parent.mkdir(parents=True, exist_ok=True)
         save_linears(cache, quantized)
     return quantized
@@ -250,12 +256,18 @@ def convert_gguf(
         partial = weights_file.with_suffix(".partial")
         save_file(tensors, str(partial))
         partial.replace(weights_file)  # atomic: an interrupted conversion is redone, not half-read
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own
+        weights_file.with_suffix(".partial").unlink(missing_ok=True)
         raise ModelLoadError(
-            f"Could not write the converted model to {folder} ({exc}). Is the disk full?"
+            f"Could not write the converted model to {folder} ({exc}). Is the disk full? "
+            f"It needs about {_bytes_of(tensors) / 2**30:.1f} GiB free there."
         ) from exc
     progress(f"Converted model cached in {folder}")
     return folder
+
+
+def _bytes_of(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _generation_defaults(folder: Path) -> dict[str, float]:

@@ -337,7 +337,11 @@ def save_linears(path, linears: dict[str, Linear]) -> None:
             for field, t in part.state().items():
                 tensors[f"{key}::{field}"] = t.contiguous()
     partial = path.with_suffix(".partial")
-    save_file(tensors, str(partial), metadata={"kinds": json.dumps(kinds)})
+    try:
+        save_file(tensors, str(partial), metadata={"kinds": json.dumps(kinds)})
+    except BaseException:  # a full disk: no half-written file left behind
+        partial.unlink(missing_ok=True)
+        raise
     partial.replace(path)
 
 
