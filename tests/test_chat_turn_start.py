@@ -87,6 +87,62 @@ def test_a_prompt_is_sized_outside_the_lock_and_says_meanwhile_keep_their_order(
         engine.close()
 
 
+class GatedRenderer(CharRenderer):
+    """Renders locally, and waits in `prompt_ids` for a message holding "wait" until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def prompt_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        if "wait" in messages[-1]["content"]:
+            self.entered.set()
+            assert self.release.wait(30), "the test never released the renderer"
+        return super().prompt_ids(messages)
+
+
+def test_a_say_to_an_idle_planner_reaches_the_engine_before_say_returns() -> None:
+    engine = FakeEngine(manual=True, tokens_per_reply=4)
+    service = SessionService(engine, CharRenderer(), Store.in_memory())
+    try:
+        sid = service.create_session("a")
+        service.say(sid, "hello")
+        assert len(engine.submitted) == 1  # no flush: sized and started on this thread
+        engine.advance(10)
+        assert service.wait_idle(sid, timeout=10)
+        service.say(sid, "again")  # a follow-up continues the stored ids here too
+        assert len(engine.submitted) == 2
+    finally:
+        service.close()
+        engine.close()
+
+
+def test_a_say_behind_another_sessions_turn_being_sized_starts_after_it() -> None:
+    renderer = GatedRenderer()
+    engine = FakeEngine(manual=True, tokens_per_reply=4)
+    service = SessionService(engine, renderer, Store.in_memory())
+    try:
+        a, b = service.create_session("a"), service.create_session("b")
+        sender = threading.Thread(target=service.say, args=(a, "wait for me"), daemon=True)
+        sender.start()
+        assert renderer.entered.wait(10)  # a's turn is being sized on its caller's thread
+        assert answers_within(lambda: service.say(b, "second")), "say waited for a's sizing"
+        assert engine.submitted == []  # b's turn waits for a's, though b's planner is free
+        renderer.release.set()
+        sender.join(10)
+        assert service.wait_started(10)
+        prompts = ["".join(map(chr, r.prompt_ids)) for r in engine.submitted]
+        assert [("wait for me" in p, "second" in p) for p in prompts] == [
+            (True, False),
+            (False, True),
+        ]
+    finally:
+        renderer.release.set()
+        service.close()
+        engine.close()
+
+
 def test_a_queued_say_that_cannot_fit_fails_alone_and_the_next_one_starts() -> None:
     engine = FakeEngine(manual=True, tokens_per_reply=4, context_length=200)
     service = SessionService(engine, CharRenderer(), Store.in_memory())

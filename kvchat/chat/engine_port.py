@@ -197,6 +197,11 @@ def turn_port(engine: TurnPort | EnginePort) -> TurnPort:
 class RendererPort(Protocol):
     """The chat template, rendering whole conversations or only what a turn adds."""
 
+    # True when rendering only computes in this process (no I/O): a turn's continuation
+    # may then be sized on the caller's thread (`turn_planner.py`); a renderer without
+    # the attribute is sized on the planner's
+    renders_locally: bool
+
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         """The whole conversation plus the generation prompt."""
         ...

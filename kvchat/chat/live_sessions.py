@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -54,7 +55,9 @@ class LiveSessions:
         self.sessions: dict[str, Session] = {}
         self.runtime: dict[str, SessionRuntime] = {}
         self.focused: str | None = None
-        self.announcing: set[str] = set()  # finished replies being stored, then published
+        # per session, announcements not published yet: a finished reply being stored,
+        # a turn's start (`wait_idle` waits for them)
+        self.announcing: Counter[str] = Counter()
         self._subscribers: list[Subscriber] = []
         self._taken = 0  # views numbered so far
 
@@ -80,6 +83,18 @@ class LiveSessions:
                     callback(event)
                 except Exception:
                     log.exception("a session event subscriber failed")
+
+    def announcement_begins(self, session_id: str) -> None:
+        """Events of the session will be published soon (lock held)."""
+        self.announcing[session_id] += 1
+
+    def announcement_ends(self, session_id: str) -> None:
+        """Those events were published: wake `wait_idle` (takes the lock)."""
+        with self.idle:
+            self.announcing[session_id] -= 1
+            if self.announcing[session_id] <= 0:
+                del self.announcing[session_id]
+            self.idle.notify_all()
 
     # ------------------------------------------------------- reading (lock held)
 

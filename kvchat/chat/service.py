@@ -6,8 +6,8 @@ a file of its own:
 
 - `live_sessions.py`: the sessions, their live state, the backend, one lock, the
   subscribers, and the snapshots events carry;
-- `turns.py`: a turn's one path (submit, size on `turn_planner.py`'s thread, start,
-  stream, finish);
+- `turns.py`: a turn's one path (submit, size and start on `turn_planner.py`'s
+  thread, stream, finish);
 - `history_edits.py`: create, rename, archive, delete, fork, edit-and-resend, the
   system prompt, sampling;
 - `type_ahead.py`: the type-ahead computed while a message is typed;
@@ -178,7 +178,7 @@ class SessionService:
         with live.lock:
             for rt in live.runtime.values():
                 rt.queue.clear()
-        self._planner.flush(timeout)  # a turn being sized is started on the worker
+        self._planner.flush(timeout)  # a turn being sized starts (cancelled below)
         self._worker.flush(timeout)
         with live.lock:
             live_ids = [r.request_id for r in live.runtime.values() if r.request_id is not None]
@@ -209,6 +209,12 @@ class SessionService:
         """Wait until every turn submitted, event and write queued so far has been handled
         (a turn sized and started, or refused)."""
         return self._planner.flush(timeout) and self._worker.flush(timeout)
+
+    def wait_started(self, timeout: float | None = None) -> bool:
+        """Wait until every turn submitted so far has been sized and handed to the engine,
+        or refused; unlike `flush`, not for the events and writes that follow (at once when
+        `say` sized its turn on the caller's thread)."""
+        return self._planner.flush(timeout)
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Call `callback` for every event (from any thread); returns the unsubscribe function."""
@@ -297,7 +303,8 @@ class SessionService:
 
     def wait_idle(self, session_id: str | None = None, timeout: float | None = None) -> bool:
         """Block until that session (None: every session) has no turn running, being sized
-        or queued, and its last reply's `ReplyFinished` was published."""
+        or queued, and what its last turn announced (its `ReplyFinished`, or its
+        `SessionFailed`) was published."""
         live = self._live
 
         def idle() -> bool:

@@ -1,10 +1,11 @@
 """`ServiceWorker`: the session service's one worker thread and its task queue.
 
 Why one thread: engine events arrive on the engine thread and commands on any
-thread, but applying events, starting queued turns and writing SQLite happen
-here, one task after another, so a reply is stored before it is announced and
-a queued turn starts after the reply before it ended. While the database
-refuses writes the worker wakes every `RETRY_SAVE_S` to try again.
+thread, but applying events, publishing them and writing SQLite happen here,
+one task after another, so a reply is stored before it is announced and a
+turn's start (started on the planner's thread, `turn_planner.py`) is announced
+after the reply before it ended and before its own reply's events. While the
+database refuses writes the worker wakes every `RETRY_SAVE_S` to try again.
 """
 
 from __future__ import annotations

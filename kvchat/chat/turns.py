@@ -1,16 +1,23 @@
 """`Turns`: a turn's one path, from `say` to the reply stored.
 
-Every turn (a say, an edit-and-resend, a regenerate) is submitted, and the caller
-returns: a turn submitted while its session replies waits in the session's queue;
-otherwise it goes to the planner (`turn_planner.py`), which sizes its prompt on a
-copy of the session outside the lock (`plan_prompt`: the stored ids plus the
-continuation the chat template adds; old turns dropped when the context
-overflows). The service's worker then starts it: the user message and the empty
-reply are appended and stored in one transaction, and the `Turn` goes to the
-engine's port. The engine's events come back on the engine thread, are only
-queued there, and are applied on the worker: the reply grows, is saved every few
-tokens, and when it ends it is stored before `ReplyFinished` is published, then
-the session's next queued turn is sized.
+Every turn (a say, an edit-and-resend, a regenerate) is submitted: a turn
+submitted while its session replies waits in the session's queue; otherwise it
+goes to the planner (`turn_planner.py`), which sizes its prompt on a copy of the
+session outside the lock (`plan_prompt`: the stored ids plus the continuation the
+chat template adds; old turns dropped when the context overflows), then starts it
+under the lock: the user message and the empty reply are appended and queued for
+the store in one transaction, and the `Turn` goes to the engine's port. The
+planner does this on its own thread while the caller returns, or, for a say when
+it is idle and the renderer only computes, on the caller's thread. Why the turn is
+not handed on to the service's worker to start: each thread a turn waits for on
+its way to the engine is one more wake-up before its prefill
+(docs/notes/2026-12-05-turn-hand-off-latency.md). What the start announces is
+still published on the worker, in a task queued before the engine hears of the
+turn, so it follows the previous reply's `ReplyFinished` and precedes the reply's
+own events. The engine's events come back on the engine thread, are only queued
+there, and are applied on the worker: the reply grows, is saved every few tokens,
+and when it ends it is stored before `ReplyFinished` is published, then the
+session's next queued turn is sized.
 
 A turn that cannot start (its prompt does not fit, the renderer failed) publishes
 `SessionFailed` and changes nothing; the turns behind it go on.
@@ -46,7 +53,7 @@ from kvchat.chat.session import (
     new_message,
 )
 from kvchat.chat.session_runtime import PendingTurn, SessionRuntime
-from kvchat.chat.turn_planner import TurnPlanner
+from kvchat.chat.turn_planner import Job, TurnPlanner
 from kvchat.chat.type_ahead import TypeAhead
 from kvchat.engine.api import (
     EngineEvent,
@@ -133,14 +140,17 @@ class Turns:
         live = self._live
         with live.lock:
             live.get(session_id).unsent = ""  # stored with the message
-            number, events = self.submit_locked(
+            number, events, job = self._submit_locked(
                 session_id,
                 text,
                 sampling=sampling,
                 max_tokens=max_tokens,
                 ignore_eos=ignore_eos,
                 title=title,
+                on_caller=True,
             )
+        if job is not None:
+            self._planner.run_here(job)  # sized and started here, outside the lock
         live.publish(events)
         return number
 
@@ -157,6 +167,31 @@ class Turns:
     ) -> tuple[int, list[ChatEvent]]:
         """Queue a turn, or hand it to the planner when the session is idle (lock held).
         Returns its number and the events to publish."""
+        number, events, _ = self._submit_locked(
+            session_id,
+            text,
+            sampling=sampling,
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
+            title=title,
+            cut_at=cut_at,
+        )
+        return number, events
+
+    def _submit_locked(
+        self,
+        session_id: str,
+        text: str,
+        *,
+        sampling: SamplingParams | None = None,
+        max_tokens: int | None = None,
+        ignore_eos: bool = False,
+        title: str | None = None,
+        cut_at: int | None = None,
+        on_caller: bool = False,
+    ) -> tuple[int, list[ChatEvent], Job | None]:
+        """`submit_locked`, and the planner's job when the caller is to run it itself
+        once it releases the lock (`on_caller`, see `_plan_locked`)."""
         rt = self._live.runtime[session_id]
         self._submitted += 1
         turn = PendingTurn(
@@ -172,9 +207,8 @@ class Turns:
         if turn.waited:
             rt.queue.append(turn)
             rt.type_ahead.pending = None  # the text it held is sent now
-            return turn.number, [self._live.changed(session_id)]
-        self._plan_locked(session_id, rt, turn)
-        return turn.number, []
+            return turn.number, [self._live.changed(session_id)], None
+        return turn.number, [], self._plan_locked(session_id, rt, turn, on_caller=on_caller)
 
     def stop(self, session_id: str) -> None:
         """Cancel the running reply (queued turns then start, in order). A turn still being
@@ -207,15 +241,32 @@ class Turns:
 
     # ------------------------------------------------------------ sizing a turn
 
-    def _plan_locked(self, session_id: str, rt: SessionRuntime, turn: PendingTurn) -> None:
+    def _plan_locked(
+        self, session_id: str, rt: SessionRuntime, turn: PendingTurn, *, on_caller: bool = False
+    ) -> Job | None:
         """Mark `turn` as being sized and hand it to the planner (lock held). The session
-        is busy meanwhile, so nothing else changes its messages or ids."""
+        is busy meanwhile, so nothing else changes its messages or ids.
+
+        `on_caller`: a plain say may be sized and started on the caller's thread when the
+        renderer only computes and the session's ids are not stale (a full render of a
+        long history stays off the caller's thread); the planner hands the job back, for
+        the caller to run once it released the lock, when nothing is queued before it."""
         rt.planning = turn
-        copy = _planning_copy(self._live.sessions[session_id])
-        self._planner.plan(lambda: self._plan(session_id, turn, copy))
+        session = self._live.sessions[session_id]
+        copy = _planning_copy(session)
+        renderer = self._live.backend.renderer
+        here = (
+            on_caller
+            and getattr(renderer, "renders_locally", False)
+            and turn.cut_at is None
+            and not turn.regenerate
+            and not session.ids_stale
+        )
+        return self._planner.plan(lambda: self._plan(session_id, turn, copy), on_caller=here)
 
     def _plan(self, session_id: str, turn: PendingTurn, copy: Session) -> None:
-        """Planner thread: size `turn` on `copy`; the worker then starts it."""
+        """The planner's job (on its thread, or the caller's): size `turn` on `copy`, then
+        start it."""
         planned: _Planned | _Regenerated | _Refused
         try:
             planned = self._size_regenerate(copy) if turn.regenerate else self._size(turn, copy)
@@ -224,7 +275,7 @@ class Turns:
         except Exception as exc:  # a renderer's failure: this turn fails, the next ones go on
             log.exception("sizing a turn failed")
             planned = _Refused(f"could not start the turn: {exc}", unexpected=str(exc))
-        self._worker.put(lambda: self._start_sized(session_id, turn, planned))
+        self._start_sized(session_id, turn, planned)
 
     def _size(self, turn: PendingTurn, copy: Session) -> _Planned:
         backend = self._live.backend
@@ -250,14 +301,17 @@ class Turns:
     def _start_sized(
         self, session_id: str, turn: PendingTurn, planned: _Planned | _Regenerated | _Refused
     ) -> None:
-        """Worker thread: start the turn `planned` sized, or report why it cannot start.
+        """The planner's job: start the turn `planned` sized, or report why it cannot start.
 
-        On the worker, so its `ReplyStarted` follows the previous reply's `ReplyFinished`
-        and precedes its own reply's events.
+        Its events are published on the worker by a task queued before the engine can
+        send the reply's first event (`_announce`), so its `ReplyStarted` follows the
+        previous reply's `ReplyFinished` and precedes its own reply's events.
         """
         live = self._live
         events: list[ChatEvent] = []
         with live.lock:
+            self._worker.put(lambda: self._announce(session_id, events))  # filled below
+            live.announcement_begins(session_id)
             rt = live.runtime[session_id]
             session = live.sessions[session_id]
             if rt.planning is not turn:
@@ -288,7 +342,18 @@ class Turns:
             live.idle.notify_all()
         if stop and started is not None:
             live.backend.engine.cancel(started)
-        live.publish(events)
+
+    def _announce(self, session_id: str, events: list[ChatEvent]) -> None:
+        """Worker thread: publish what a turn's start produced. The planner fills `events`
+        under the lock it held when it queued this task, so taking the lock here waits
+        for the start to be complete."""
+        live = self._live
+        try:
+            with live.lock:
+                events = list(events)
+            live.publish(events)
+        finally:
+            live.announcement_ends(session_id)
 
     def _start_planned(
         self, session: Session, turn: PendingTurn, planned: _Planned
@@ -424,7 +489,7 @@ class Turns:
                     self._finish(session, rt, stats, event.generated_ids, text, interrupted=cut)
                 )
                 events.extend(self._next_locked(session_id))
-                live.announcing.add(session_id)
+                live.announcement_begins(session_id)
         try:
             if any(isinstance(e, ReplyFinished) for e in events):
                 # stored before anyone is told: a reply printed or shown as finished
@@ -433,9 +498,7 @@ class Turns:
             live.publish(events)
         finally:
             if isinstance(event, RequestFinished):
-                with live.idle:
-                    live.announcing.discard(session_id)
-                    live.idle.notify_all()
+                live.announcement_ends(session_id)
 
     def _finish(
         self,

@@ -48,6 +48,8 @@ _TYPE_AHEAD_SENTINEL = "\ue000kvchat-type-ahead\ue001"
 class TurnRenderer:
     """Builds prompt ids from messages with a model's tokenizer and chat template."""
 
+    renders_locally = True  # no I/O: a turn may be sized on the caller's thread
+
     def __init__(self, tokenizer: Tokenizer, template: ChatTemplate) -> None:
         self.tokenizer = tokenizer
         self.template = template

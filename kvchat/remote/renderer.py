@@ -21,6 +21,8 @@ BYTES_PER_TOKEN = 4
 
 
 class RemoteRenderer:
+    renders_locally = False  # HTTP: turns are sized on the session layer's planner thread
+
     def __init__(self, server: RemoteServer, info: ServerInfo) -> None:
         self.server = server
         self.info = info

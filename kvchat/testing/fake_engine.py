@@ -45,6 +45,7 @@ class CharRenderer:
     """One token per character; END closes every message."""
 
     stop_token_ids = frozenset({END})
+    renders_locally = True
 
     def __init__(self, *, rewrites_history: bool = False) -> None:
         self.rewrites_history = rewrites_history  # True: continuation_ids returns None

@@ -116,7 +116,10 @@ class KvchatChat:
         before = len(self.service.token_ids(sid))  # previous prompt + its reply
         start = time.perf_counter()
         self.service.say(sid, text, sampling=GREEDY, max_tokens=max_tokens, ignore_eos=True)
-        self.service.flush()  # sized on the service's planner, then submitted to the engine
+        # the turn is in the engine's hands (say() sizes and starts it itself when the
+        # planner is idle); the session layer's events and writes go on meanwhile, as they
+        # do beside the app's engine thread
+        self.service.wait_started()
         said = time.perf_counter()
         first: float | None = None
         deadline = time.monotonic() + TURN_TIMEOUT_S
@@ -139,7 +142,7 @@ class KvchatChat:
         if stats.error is not None or first is None:
             raise KvchatError(f"kvchat failed a bench turn: {stats.error or 'no token came'}")
         # TTFT: say() until the engine emitted the first token (the engine measures from the
-        # submit that follows say(), once the turn is sized). Polling the session layer's
+        # submit, once the turn is sized). Polling the session layer's
         # events between inline steps would add up to a few decode steps that a user, whose
         # engine runs on its own thread, never waits (the events reach the UI within a
         # millisecond there).
