@@ -75,6 +75,22 @@ def test_a_shape_is_made_once_in_both_quantizations_and_kvchat_runs_it(
         model_maker.remove_shape(cache, "tiny-llama")
 
 
+def test_a_failed_make_leaves_nothing_behind(monkeypatch, tmp_path, default_gguf_path):
+    """The random weights are GBs at the real shapes: a converter that fails (or a user's
+    Ctrl-C) must not leave them in the cache."""
+    from kvchat.bench import llama_cpp_tools
+
+    def converter_fails(*args, **kwargs):
+        raise KvchatError("llama.cpp's convert_hf_to_gguf.py failed: (its output)")
+
+    monkeypatch.setattr(llama_cpp_tools, "convert", converter_fails)
+    monkeypatch.setattr(llama_cpp_tools, "find_quantize", lambda *_: tmp_path / "llama-quantize")
+    cache = tmp_path / "cache"
+    with pytest.raises(KvchatError, match="convert_hf_to_gguf"):
+        model_maker.make_shape(TINY_LLAMA, cache, default_gguf_path, lambda _: None)
+    assert list(model_maker.shapes_dir(cache).iterdir()) == []
+
+
 def test_a_shape_is_refused_when_the_disk_is_short(monkeypatch, tmp_path):
     import shutil
 

@@ -111,19 +111,23 @@ def make_shape(
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     made = MadeShape(shape.name, partial, 0)
-    progress(f"Making {shape.name} ({format_size(weights)} of random bf16 weights), once...")
-    write_random_weights(
-        shape, made.hf_folder, default_tokenizer, memory_cap=3 * weights + 8 * 2**30
-    )
-    progress(f"Converting {shape.name} with llama.cpp's convert_hf_to_gguf.py...")
-    bf16 = partial / f"{shape.name}-bf16.gguf"
-    llama_cpp_tools.convert(made.hf_folder, bf16, "bf16", tools_cache or cache)
-    for quant in QUANTS:
-        progress(f"Quantizing {shape.name} to {quant} with llama-quantize...")
-        llama_cpp_tools.quantize(bf16, made.gguf(quant), quant, quantizer)
-    bf16.unlink()
-    shutil.rmtree(made.hf_folder)  # 2 bytes a weight, read by nothing once converted
-    (partial / "done").write_text(f"{shape.describes}, seed {SEED}\n")
+    try:
+        progress(f"Making {shape.name} ({format_size(weights)} of random bf16 weights), once...")
+        write_random_weights(
+            shape, made.hf_folder, default_tokenizer, memory_cap=3 * weights + 8 * 2**30
+        )
+        progress(f"Converting {shape.name} with llama.cpp's convert_hf_to_gguf.py...")
+        bf16 = partial / f"{shape.name}-bf16.gguf"
+        llama_cpp_tools.convert(made.hf_folder, bf16, "bf16", tools_cache or cache)
+        for quant in QUANTS:
+            progress(f"Quantizing {shape.name} to {quant} with llama-quantize...")
+            llama_cpp_tools.quantize(bf16, made.gguf(quant), quant, quantizer)
+        bf16.unlink()
+        shutil.rmtree(made.hf_folder)  # 2 bytes a weight, read by nothing once converted
+        (partial / "done").write_text(f"{shape.describes}, seed {SEED}\n")
+    except BaseException:  # a failed or interrupted make leaves no GBs of half a model
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     partial.rename(final)
     return next(m for m in made_shapes(cache) if m.name == shape.name)
 
