@@ -167,7 +167,7 @@ class HistoryEdits:
             users = [i for i, m in enumerate(session.messages) if m.role == "user"]
             if not users:
                 raise KvchatError("there is no message of yours to edit")
-            number, events = self._turns.submit_locked(session_id, text, cut_at=users[-1])
+            number, events, _ = self._turns.submit_locked(session_id, text, cut_at=users[-1])
         live.publish(events)
         return number
 

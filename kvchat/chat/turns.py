@@ -140,7 +140,7 @@ class Turns:
         live = self._live
         with live.lock:
             live.get(session_id).unsent = ""  # stored with the message
-            number, events, job = self._submit_locked(
+            number, events, job = self.submit_locked(
                 session_id,
                 text,
                 sampling=sampling,
@@ -164,34 +164,12 @@ class Turns:
         ignore_eos: bool = False,
         title: str | None = None,
         cut_at: int | None = None,
-    ) -> tuple[int, list[ChatEvent]]:
-        """Queue a turn, or hand it to the planner when the session is idle (lock held).
-        Returns its number and the events to publish."""
-        number, events, _ = self._submit_locked(
-            session_id,
-            text,
-            sampling=sampling,
-            max_tokens=max_tokens,
-            ignore_eos=ignore_eos,
-            title=title,
-            cut_at=cut_at,
-        )
-        return number, events
-
-    def _submit_locked(
-        self,
-        session_id: str,
-        text: str,
-        *,
-        sampling: SamplingParams | None = None,
-        max_tokens: int | None = None,
-        ignore_eos: bool = False,
-        title: str | None = None,
-        cut_at: int | None = None,
         on_caller: bool = False,
     ) -> tuple[int, list[ChatEvent], Job | None]:
-        """`submit_locked`, and the planner's job when the caller is to run it itself
-        once it releases the lock (`on_caller`, see `_plan_locked`)."""
+        """Queue a turn, or hand it to the planner when the session is idle (lock held).
+        Returns its number, the events to publish and, when the caller is to size and
+        start it itself once it releases the lock (`on_caller`, see `_plan_locked`), the
+        planner's job."""
         rt = self._live.runtime[session_id]
         self._submitted += 1
         turn = PendingTurn(
