@@ -134,15 +134,47 @@ def test_long_rows_are_tiled_along_k_too(rows):
     close_to_exact(layer(x), x, weight)
 
 
-def test_bf16_activations_give_the_product_of_their_float32_values():
-    raw = random_blocks(GGMLType.Q4_1, 48, 128, seed=3)
-    blocks = unpack_q4(raw, GGMLType.Q4_1, (48, 128))
-    layer = Q4Linear(blocks.codes, blocks.scales, blocks.offsets)
-    x = torch.randn(3, 128).bfloat16()
-    y = torch.ops.kvchat.q4_matmul(x, layer.codes, layer.scales, layer.offsets)
-    assert y.dtype == torch.bfloat16
-    expected = torch.ops.kvchat.q4_matmul(x.float(), layer.codes, layer.scales, layer.offsets)
-    assert torch.equal(y, expected.bfloat16())
+def _column_scales(layer) -> torch.Tensor:
+    """Each weight's scale, [N, K]: what bounds the error of the bf16 dot-product path,
+    whose codes carry a bias of up to 160 scales."""
+    per = layer.in_features // layer.scales.shape[1]
+    return layer.scales.float().abs().repeat_interleave(per, dim=1)
+
+
+@pytest.mark.parametrize(
+    "ggml_type",
+    [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q5_0, GGMLType.Q6_K, GGMLType.Q8_0],
+)
+@pytest.mark.parametrize("out_features", [1, 7, 33])
+def test_bf16_activations_give_the_product_of_their_values(ggml_type, out_features):
+    """bf16 rows (decode batches take the dot-product path where the CPU has it): within
+    bf16's rounding of the float64 product, plus float32 sums of the biased codes. Odd
+    group counts and a block of 16 scales with a remainder (1,120 columns) included."""
+    in_features = 1280 if ggml_type in (GGMLType.Q4_K, GGMLType.Q6_K) else 1120
+    for k in (in_features, 96):
+        if ggml_type in (GGMLType.Q4_K, GGMLType.Q6_K) and k == 96:
+            continue
+        raw = random_blocks(ggml_type, out_features, k, seed=out_features + k)
+        shape = (out_features, k)
+        if ggml_type in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K):
+            blocks = unpack_q4(raw, ggml_type, shape)
+            layer = Q4Linear(blocks.codes, blocks.scales, blocks.offsets)
+        else:
+            blocks = unpack_int8(raw, ggml_type, shape)
+            layer = Q8Linear(blocks.codes, blocks.scales)
+            assert layer.small_codes == (ggml_type != GGMLType.Q8_0)
+        weight = layer.dequantized().double()
+        scales = _column_scales(layer).double()
+        g = torch.Generator().manual_seed(k)
+        for rows in (1, 2, 3, 4, 5):
+            x = torch.randn(rows, k, generator=g).bfloat16()
+            y = layer(x)
+            assert y.dtype == torch.bfloat16
+            exact = x.double() @ weight.t()
+            sums = x.double().abs() @ (weight.abs() + 160 * scales).t()
+            bound = 2**-8 * exact.abs() + 2e-5 * sums + 1e-6
+            worst = ((y.double() - exact).abs() / bound).max().item()
+            assert worst <= 1.0, f"{rows} rows, K {k}: error {worst:.2f}x the bound"
 
 
 def test_misshapen_arguments_are_refused_with_the_reason():

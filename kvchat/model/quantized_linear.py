@@ -288,7 +288,7 @@ class Q8Linear(_KernelLinear):
     16 (Q6_K's sub-blocks, d * sub-scale), so such a matrix is computed exactly at 8 bits
     a weight (plus its scales) instead of a dense copy's 16 or 32."""
 
-    __slots__ = ("codes", "scales")
+    __slots__ = ("codes", "scales", "small_codes")
     _TENSORS = ("codes", "scales")
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, *, bias=None, dense=None):
@@ -299,9 +299,12 @@ class Q8Linear(_KernelLinear):
 
     def _set_shape(self) -> None:
         self.out_features, self.in_features = self.codes.shape
+        # Q6_K's and Q5_0's codes fit in 6 bits, which bf16 rows multiply as bf16 numbers
+        low, high = torch.aminmax(self.codes.view(torch.int8))
+        self.small_codes = bool(low >= -32 and high <= 31)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kvchat.q8_matmul(x, self.codes, self.scales)
+        return torch.ops.kvchat.q8_matmul(x, self.codes, self.scales, self.small_codes)
 
     def dequantized(self) -> torch.Tensor:
         n, k = self.codes.shape

@@ -451,7 +451,253 @@ void tiled_matmul(const at::Tensor& x, const uint8_t* codes, const S* scales, co
   }
 }
 
-template <typename F>
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// ---- bf16 activations on CPUs with AVX512-BF16: the decode rows of a bf16 model.
+// Why: the float path above spends about ten instructions per group and row widening
+// codes to float32, so a core decodes at about 11 GB/s where it can read 17 (measured:
+// docs/kernels.md). A bf16 activation times a small integer is exact in float32, so here
+// a code becomes a bf16 number in one or two integer instructions and meets the
+// activations in `vdpbf16ps`, 32 products an instruction, summed in float32. No
+// conversion: with the exponent of 128, a bf16's 7 mantissa bits count in ones, so the
+// bits 0x4300 + k are the number 128 + k; that bias times each scale's activation sum
+// is subtracted at the end (with the offsets, in one multiply-add per 16 scales).
+//
+// A unit is 32 code bytes whose dot products land in 16 float lanes, lanes 0-7 under
+// one scale and 8-15 under the next (or the same); a block is 16 scales.
+constexpr bool kBf16Dots = true;
+
+// Two 4-bit groups a unit; their x, reordered, matches the nibbles (`bf16_activations`).
+struct Bf16Q4 {
+  static constexpr int kVectors = 2;        // 32-lane bf16 vectors a unit unpacks to
+  static constexpr int64_t kGroupBytes = 16;
+  static constexpr int kScalesPerGroup = 1;
+  static constexpr int kSlotWidth = 32;     // weights under one scale
+  static constexpr int kUnitsPerBlock = 8;
+  static constexpr bool kOffset = true;
+  static constexpr float kBias = 128.f;
+  static int64_t units(int64_t groups) { return (groups + 1) / 2; }
+  static int units_in(int64_t scales) { return static_cast<int>((scales + 1) / 2); }
+  static inline void unpack(const uint8_t* p, bool half, __m512i* t) {
+    // an odd row's last unit holds one group: its second half must not be read
+    const __m256i bytes = half ? _mm256_maskz_loadu_epi8(0xFFFF, p)
+                               : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m512i w = _mm512_cvtepu8_epi16(bytes);
+    const __m512i bias = _mm512_set1_epi16(0x4300);
+    t[0] = _mm512_ternarylogic_epi32(w, _mm512_set1_epi16(0x000F), bias, 0xEA);  // (w & 15) | bias
+    t[1] = _mm512_or_si512(_mm512_srli_epi16(w, 4), bias);
+  }
+};
+
+// 8-bit codes within [-32, 31] (Q6_K, Q5_0): k + 0x4320 is the bf16 160 + k.
+template <int ScalesPerGroup>
+struct Bf16Q8 {
+  static constexpr int kVectors = 1;
+  static constexpr int64_t kGroupBytes = 32;
+  static constexpr int kScalesPerGroup = ScalesPerGroup;
+  static constexpr int kSlotWidth = 32 / ScalesPerGroup;
+  static constexpr int kUnitsPerBlock = 16 / ScalesPerGroup;
+  static constexpr bool kOffset = false;
+  static constexpr float kBias = 160.f;
+  static int64_t units(int64_t groups) { return groups; }
+  static int units_in(int64_t scales) { return static_cast<int>(scales / ScalesPerGroup); }
+  static inline void unpack(const uint8_t* p, bool, __m512i* t) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    t[0] = _mm512_add_epi16(_mm512_cvtepi8_epi16(bytes), _mm512_set1_epi16(0x4320));
+  }
+};
+
+// Which scale of the block each lane of unit u's products is under.
+template <typename B>
+inline __m512i scale_lanes(int u) {
+  if constexpr (B::kSlotWidth == 32 && B::kVectors == 1) {  // one scale for the whole unit
+    return _mm512_set1_epi32(u);
+  } else {
+    return _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(2 * u), _mm512_set1_epi32(2 * u + 1));
+  }
+}
+
+template <typename S>
+inline __m512 load_scales(const S* p, int64_t n) {
+  const __mmask16 mask = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  if constexpr (std::is_same_v<S, float>) {
+    return _mm512_maskz_loadu_ps(mask, p);
+  } else {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+  }
+}
+
+inline float bf16_value(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+// Each activation row in the unit order the codes unpack to (zeros where an odd row's
+// last unit has no second group), and its sums per scale, padded to whole blocks.
+template <typename B>
+void bf16_activations(const uint16_t* x, int64_t m, int64_t k, uint16_t* xs, float* sums) {
+  const int64_t groups = k / kGroup, units = B::units(groups);
+  const int64_t scales = groups * B::kScalesPerGroup, padded = (scales + 15) / 16 * 16;
+  const int64_t unit_x = B::kVectors * 32;
+  for (int64_t r = 0; r < m; ++r) {
+    const uint16_t* xr = x + r * k;
+    uint16_t* out = xs + r * units * unit_x;
+    if constexpr (B::kVectors == 2) {
+      for (int64_t u = 0; u < units; ++u) {
+        for (int half = 0; half < 2; ++half) {  // the low nibbles' vector, then the high ones'
+          for (int g = 0; g < 2; ++g) {
+            uint16_t* dst = out + u * 64 + half * 32 + g * 16;
+            if (2 * u + g < groups) {
+              std::memcpy(dst, xr + (2 * u + g) * kGroup + half * 16, 16 * sizeof(uint16_t));
+            } else {
+              std::memset(dst, 0, 16 * sizeof(uint16_t));
+            }
+          }
+        }
+      }
+    } else {
+      std::memcpy(out, xr, k * sizeof(uint16_t));
+    }
+    float* s = sums + r * padded;
+    for (int64_t i = 0; i < padded; ++i) {
+      float total = 0.f;
+      for (int64_t j = 0; i < scales && j < B::kSlotWidth; ++j) {
+        total += bf16_value(xr[i * B::kSlotWidth + j]);
+      }
+      s[i] = total;
+    }
+  }
+}
+
+// Dot products of W weight rows with R activation rows (see above for the unit layout).
+template <typename B, typename S, int R, int W>
+void bf16_rows(const uint8_t* codes, const S* scales, const S* offsets, int64_t groups,
+               const uint16_t* xs, const float* sums, float* dots) {
+  const int64_t scales_n = groups * B::kScalesPerGroup, padded = (scales_n + 15) / 16 * 16;
+  const int64_t row_bytes = groups * B::kGroupBytes;
+  const int64_t x_row = B::units(groups) * B::kVectors * 32;
+  const bool odd = B::kVectors == 2 && groups % 2 == 1;
+  const __m512 bias = _mm512_set1_ps(B::kBias);
+  __m512 acc[W][R];
+  for (int w = 0; w < W; ++w) {
+    for (int r = 0; r < R; ++r) acc[w][r] = _mm512_setzero_ps();
+  }
+  for (int64_t s0 = 0, u0 = 0; s0 < scales_n; s0 += 16, u0 += B::kUnitsPerBlock) {
+    const int64_t in_block = std::min<int64_t>(16, scales_n - s0);
+    const int units = B::units_in(in_block);
+    __m512 s[W];
+    for (int w = 0; w < W; ++w) {
+      s[w] = load_scales(scales + w * scales_n + s0, in_block);
+      // the offsets, less the bias the codes carry, times each scale's activation sum
+      __m512 fix = _mm512_mul_ps(s[w], bias);
+      if constexpr (B::kOffset) {
+        fix = _mm512_sub_ps(load_scales(offsets + w * scales_n + s0, in_block), fix);
+      } else {
+        fix = _mm512_sub_ps(_mm512_setzero_ps(), fix);
+      }
+      for (int r = 0; r < R; ++r) {
+        acc[w][r] = _mm512_fmadd_ps(fix, _mm512_loadu_ps(sums + r * padded + s0), acc[w][r]);
+      }
+    }
+    for (int u = 0; u < units; ++u) {
+      const int64_t at = u0 + u;
+      const __m512i lanes = scale_lanes<B>(u);
+      for (int w = 0; w < W; ++w) {
+        const uint8_t* p = codes + w * row_bytes + at * 32;
+        PREFETCH(p + W * row_bytes);  // the same place in the next pass's rows
+        __m512i t[B::kVectors];
+        B::unpack(p, odd && at == B::units(groups) - 1, t);
+        const __m512 su = _mm512_permutexvar_ps(lanes, s[w]);
+        for (int r = 0; r < R; ++r) {
+          const uint16_t* xu = xs + r * x_row + at * B::kVectors * 32;
+          __m512 dot = _mm512_setzero_ps();
+          for (int v = 0; v < B::kVectors; ++v) {
+            dot = _mm512_dpbf16_ps(dot, (__m512bh)t[v],
+                                   (__m512bh)_mm512_loadu_si512(xu + v * 32));
+          }
+          acc[w][r] = _mm512_fmadd_ps(dot, su, acc[w][r]);
+        }
+      }
+    }
+  }
+  for (int w = 0; w < W; ++w) {
+    for (int r = 0; r < R; ++r) dots[w * R + r] = _mm512_reduce_add_ps(acc[w][r]);
+  }
+}
+
+// out[m, n] (m <= kFusedRows) for bf16 x: weight rows [begin, end), W at a time, the
+// activation rows two at a time.
+template <typename B, typename S>
+void bf16_matmul_rows(const uint8_t* codes, const S* scales, const S* offsets, int64_t groups,
+                      const uint16_t* xs, const float* sums, int64_t m, int64_t begin,
+                      int64_t end, int64_t n, float* out) {
+  constexpr int W = 4;
+  const int64_t scales_n = groups * B::kScalesPerGroup, padded = (scales_n + 15) / 16 * 16;
+  const int64_t x_row = B::units(groups) * B::kVectors * 32;
+  for (int64_t row = begin; row < end;) {
+    const int take = end - row >= W ? W : 1;
+    const uint8_t* c = codes + row * groups * B::kGroupBytes;
+    const S* s = scales + row * scales_n;
+    const S* o = B::kOffset ? offsets + row * scales_n : nullptr;
+    for (int64_t r0 = 0; r0 < m; r0 += 2) {
+      float dots[W * 2];
+      const int pair = m - r0 >= 2 ? 2 : 1;
+      const uint16_t* x = xs + r0 * x_row;
+      const float* sum = sums + r0 * padded;
+      if (take == W && pair == 2) bf16_rows<B, S, 2, W>(c, s, o, groups, x, sum, dots);
+      else if (take == W) bf16_rows<B, S, 1, W>(c, s, o, groups, x, sum, dots);
+      else if (pair == 2) bf16_rows<B, S, 2, 1>(c, s, o, groups, x, sum, dots);
+      else bf16_rows<B, S, 1, 1>(c, s, o, groups, x, sum, dots);
+      for (int w = 0; w < take; ++w) {
+        for (int r = 0; r < pair; ++r) out[(r0 + r) * n + row + w] = dots[w * pair + r];
+      }
+    }
+    row += take;
+  }
+}
+
+template <typename B>
+at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor* offsets) {
+  const int64_t m = x.size(0), k = x.size(1), n = codes.size(0), groups = k / kGroup;
+  const int64_t scales_n = groups * B::kScalesPerGroup, padded = (scales_n + 15) / 16 * 16;
+  std::vector<uint16_t> xs(m * B::units(groups) * B::kVectors * 32);
+  std::vector<float> sums(m * padded);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  bf16_activations<B>(xp, m, k, xs.data(), sums.data());
+  at::Tensor out = at::empty({m, n}, x.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const uint8_t* cp = codes.data_ptr<uint8_t>();
+  const int64_t grain = std::max<int64_t>(4, kSerialMacs / std::max<int64_t>(1, m * k)) / 4 * 4;
+  auto run = [&](auto tag) {
+    using S = decltype(tag);
+    const S* sp = scales.data_ptr<S>();
+    const S* offp = offsets != nullptr ? offsets->data_ptr<S>() : nullptr;
+    auto body = [&](int64_t begin, int64_t end) {
+      bf16_matmul_rows<B, S>(cp, sp, offp, groups, xs.data(), sums.data(), m, begin, end, n, op);
+    };
+    if (n <= grain) body(0, n);
+    else at::parallel_for(0, n, grain, body);
+  };
+  if (scales.scalar_type() == at::kFloat) run(float{});
+  else run(c10::Half{});
+  return out.to(at::kBFloat16);
+}
+#else
+constexpr bool kBf16Dots = false;
+struct Bf16Q4 {};
+template <int ScalesPerGroup>
+struct Bf16Q8 {};
+template <typename B>
+at::Tensor bf16_matmul(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                       const at::Tensor*) {
+  TORCH_CHECK(false, "this build has no bf16 dot products");
+}
+#endif
+
+// B: the bf16 dot-product path for this format (void: none).
+template <typename F, typename B = void>
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
                             const at::Tensor& scales, const at::Tensor* offsets,
                             const char* op) {
@@ -473,6 +719,11 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
     TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->is_contiguous() &&
                     offsets->scalar_type() == scale_type,
                 op, ": offsets shaped and typed like the scales");
+  }
+  if constexpr (kBf16Dots && !std::is_void_v<B>) {
+    if (x.scalar_type() == at::kBFloat16 && m <= kFusedRows) {
+      return bf16_matmul<B>(x, codes, scales, offsets);
+    }
   }
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   at::Tensor out = at::empty({m, n}, xf.options());
@@ -510,16 +761,22 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
 
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const at::Tensor& offsets) {
-  return quantized_matmul<Q4>(x, codes, scales, &offsets, "q4_matmul");
+  return quantized_matmul<Q4, Bf16Q4>(x, codes, scales, &offsets, "q4_matmul");
 }
 
 // Scales [N, K / 32] (Q8_0) or [N, K / 16] (a scale per half group: Q6_K's sub-blocks).
-at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+// `small_codes`: every code is within [-32, 31] (Q6_K, Q5_0), which bf16 rows may then
+// take through the dot-product path.
+at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     bool small_codes) {
+  const char* op = "q8_matmul";
   if (x.dim() == 2 && scales.dim() == 2 && scales.size(1) == x.size(1) / (kGroup / 2) &&
       x.size(1) % kGroup == 0) {
-    return quantized_matmul<Q8Halves>(x, codes, scales, nullptr, "q8_matmul");
+    return small_codes ? quantized_matmul<Q8Halves, Bf16Q8<2>>(x, codes, scales, nullptr, op)
+                       : quantized_matmul<Q8Halves>(x, codes, scales, nullptr, op);
   }
-  return quantized_matmul<Q8>(x, codes, scales, nullptr, "q8_matmul");
+  return small_codes ? quantized_matmul<Q8, Bf16Q8<1>>(x, codes, scales, nullptr, op)
+                     : quantized_matmul<Q8>(x, codes, scales, nullptr, op);
 }
 
 // Which vector path this library was compiled with ("avx512", "avx2", "portable"),
@@ -530,7 +787,7 @@ std::string quantized_matmul_isa() { return kIsa; }
 
 TORCH_LIBRARY_FRAGMENT(kvchat, m) {
   m.def("q4_matmul(Tensor x, Tensor codes, Tensor scales, Tensor offsets) -> Tensor");
-  m.def("q8_matmul(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("q8_matmul(Tensor x, Tensor codes, Tensor scales, bool small_codes=False) -> Tensor");
   m.def("quantized_matmul_isa() -> str", quantized_matmul_isa);
 }
 
