@@ -4,12 +4,13 @@ too small. A tiny shape stands in for the real ones, which take minutes and giga
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 
 from kvchat.bench import model_maker
-from kvchat.bench.model_shapes import SHAPES, TINY_LLAMA
+from kvchat.bench.model_shapes import SHAPES, TINY_LLAMA, ModelShape
 from kvchat.errors import KvchatError, UsageError
 from kvchat.paths import app_paths
 from tests.shared_cache import TEST_CACHE
@@ -73,6 +74,45 @@ def test_a_shape_is_made_once_in_both_quantizations_and_kvchat_runs_it(
     assert removed.size > 0 and not made.folder.exists()
     with pytest.raises(UsageError, match="made: none"):
         model_maker.remove_shape(cache, "tiny-llama")
+
+
+def tiny_version(shape: ModelShape) -> ModelShape:
+    """`shape` with two layers of the tests' width: its model type, vocabulary, rotary
+    settings and special tokens as the real shape has them, which is what the converter
+    reads to choose the file's architecture and tokenizer."""
+    small = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    if "head_dim" in shape.config:
+        small["head_dim"] = 16
+    return dataclasses.replace(shape, name=f"tiny-{shape.name}", config={**shape.config, **small})
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-1.5b", "gemma-3-1b"])
+def test_every_real_shape_converts_with_the_default_models_tokenizer(
+    name, default_gguf_path, tmp_path
+):
+    """The maker's weights and tokenizer, through llama.cpp's converter, for each real shape:
+    every file carries the default model's vocabulary and pre-tokenizer. A qwen2 folder is
+    the one transformers would read with Qwen's own tokenizer class (Qwen's pre-tokenizer
+    over SmolLM2's vocabulary), a pre-tokenizer the converter does not know and refuses."""
+    from kvchat.bench import llama_cpp_tools
+    from kvchat.model.gguf.file import GGUFFile
+    from kvchat.model.loader import load_model
+
+    shape = tiny_version(SHAPES[name])
+    folder = tmp_path / "hf"
+    model_maker.write_random_weights(shape, folder, default_gguf_path, memory_cap=8 * 2**30)
+    try:
+        gguf = llama_cpp_tools.convert(folder, tmp_path / f"{name}.gguf", "bf16", TEST_CACHE)
+    except llama_cpp_tools.ConverterUnavailable as exc:
+        pytest.skip(f"llama.cpp's converter could not be fetched: {exc}")
+    made = GGUFFile.open(gguf).metadata
+    default = GGUFFile.open(default_gguf_path).metadata
+    assert made["tokenizer.ggml.pre"] == default["tokenizer.ggml.pre"] == "smollm"
+    assert len(made["tokenizer.ggml.tokens"]) == shape.config["vocab_size"]
+    model = load_model(str(gguf), dtype="float32", device="cpu")
+    assert model.config.model_type == shape.transformers_config().model_type
+    assert (model.config.hidden_size, model.config.num_layers) == (64, 2)
 
 
 def test_a_failed_make_leaves_nothing_behind(monkeypatch, tmp_path, default_gguf_path):

@@ -82,12 +82,33 @@ def converter(cache: Path) -> Path:
     return folder
 
 
+# The converter, run as its own script once transformers is told to keep the tokenizer
+# class a qwen2 folder declares (see `convert`).
+_CONVERT = """
+import runpy, sys
+from transformers.models.auto import tokenization_auto
+getattr(tokenization_auto, "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS", set()).discard("qwen2")
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def convert(hf_folder: Path, out: Path, outtype: str, cache: Path) -> Path:
-    """`hf_folder` as a GGUF of `outtype` (f32, bf16, q8_0), as llama.cpp converts it."""
+    """`hf_folder` as a GGUF of `outtype` (f32, bf16, q8_0), as llama.cpp converts it.
+
+    The folders converted here carry the default model's tokenizer (SmolLM2's byte-level
+    BPE) under the class it was saved with, and the converter names the pre-tokenizer by a
+    hash of what `AutoTokenizer` makes of the folder. For a few model types transformers
+    overrides the declared class with its own; for qwen2 that is `Qwen2Tokenizer`, which
+    rebuilds the tokenizer with Qwen's pre-tokenizer: SmolLM2's vocabulary split Qwen's way
+    hashes to nothing the converter knows, and it refuses the folder. The converter, as it
+    is, therefore runs with qwen2 off transformers' list of overridden types, so a qwen2
+    folder is read with its own class, as llama, qwen3 and gemma3 folders already are.
+    """
     folder = converter(cache)
     env = {**os.environ, "PYTHONPATH": f"{folder / 'gguf-py'}{os.pathsep}{folder}"}
     done = subprocess.run(
-        [sys.executable, str(folder / "convert_hf_to_gguf.py"), str(hf_folder),
+        [sys.executable, "-c", _CONVERT, str(folder / "convert_hf_to_gguf.py"), str(hf_folder),
          "--outfile", str(out), "--outtype", outtype],
         capture_output=True, text=True, timeout=3600, env=env,
     )  # fmt: skip

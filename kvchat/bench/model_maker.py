@@ -15,6 +15,7 @@ folder a shape, written under a temporary name and renamed when whole; `kvchat b
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -174,16 +175,16 @@ def _available_memory() -> int | None:
 
 
 _CHILD = """
-import resource, sys
+import json, resource, sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from kvchat.bench.model_shapes import SHAPES
+from kvchat.bench.model_shapes import ModelShape
 
-name, out, tokenizer = sys.argv[1:4]
-cap, seed = int(sys.argv[4]), int(sys.argv[5])
+name, config_class, config, out, tokenizer = sys.argv[1:6]
+cap, seed = int(sys.argv[6]), int(sys.argv[7])
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 torch.manual_seed(seed)
-config = SHAPES[name].transformers_config()
+config = ModelShape(name, name, config_class, json.loads(config)).transformers_config()
 model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 model.save_pretrained(out, safe_serialization=True)
 path = __import__("pathlib").Path(tokenizer)
@@ -195,10 +196,11 @@ def write_random_weights(
     shape: ModelShape, out: Path, default_tokenizer: Path, *, memory_cap: int
 ) -> None:
     """Seeded random bf16 weights of `shape` and the default model's tokenizer (read from
-    its GGUF) into `out`, in a child process whose address space is capped."""
+    its GGUF) into `out`, in a child process whose address space is capped. The child is
+    given the shape itself (not its name), so a shape need not be one of `SHAPES`."""
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, shape.name, str(out), str(default_tokenizer),
-         str(memory_cap), str(SEED)],
+        [sys.executable, "-c", _CHILD, shape.name, shape.config_class, json.dumps(shape.config),
+         str(out), str(default_tokenizer), str(memory_cap), str(SEED)],
         capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
     )  # fmt: skip
     if done.returncode != 0:
