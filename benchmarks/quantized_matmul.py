@@ -1,7 +1,8 @@
 """Per-call time of a 4-bit layer's product, kvchat's kernel beside torch's.
 
-For each weight shape (N x K) and row count: kvchat's `q4_matmul` with float32
-activations, torch's int4 kernel with bf16 and with float32 activations, and a dense
+For each weight shape (N x K) and row count: kvchat's `q4_matmul` with float32 and with
+bf16 activations, its `q8_matmul` on 6-bit codes with a scale per 16 (a GGUF's Q6_K)
+likewise, torch's int4 kernel with bf16 and with float32 activations, and a dense
 float32 product with the dequantized weight (the float32 matrix-product rate). Median
 of repeated calls, after a warm-up. Run it natively and with an emulated AVX2 CPU:
 
@@ -70,9 +71,20 @@ def measure(n: int, k: int, rows: int, slow_reference: bool) -> dict[str, float]
     sz32 = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()
     sz16 = sz32.bfloat16()
     xb = x.bfloat16()
+    six_bit = torch.randint(-32, 32, (n, k), generator=g, dtype=torch.int8).view(torch.uint8)
+    per_16 = (torch.rand(n, k // 16, generator=g) * 0.01).half()
     out = {
         "kvchat q4, float32": median_us(
             lambda: torch.ops.kvchat.q4_matmul(x, layer.codes, layer.scales, layer.offsets)
+        ),
+        "kvchat q4, bf16": median_us(
+            lambda: torch.ops.kvchat.q4_matmul(xb, layer.codes, layer.scales, layer.offsets)
+        ),
+        "kvchat q6, float32": median_us(
+            lambda: torch.ops.kvchat.q8_matmul(x, six_bit, per_16, small_codes=True)
+        ),
+        "kvchat q6, bf16": median_us(
+            lambda: torch.ops.kvchat.q8_matmul(xb, six_bit, per_16, small_codes=True)
         ),
         "torch int4, bf16": median_us(
             lambda: torch._weight_int4pack_mm_for_cpu(xb, packed, GROUP_SIZE, sz16)

@@ -67,6 +67,9 @@ def test_a_q4_k_m_files_six_bit_matrices_stay_eight_bit_and_exact(tmp_path, nati
     assert [type(part) for part in layer.qkv.parts] == [Q4Linear, Q8Linear]
     v = layer.qkv.parts[1]
     assert v.scales.shape[1] == v.in_features // 16  # Q6_K's sub-blocks
+    # both as the file stores them: 8-bit sub-scales with a float16 per 256 columns
+    assert v.scales.dtype == torch.int8 and v.scale_supers is not None
+    assert layer.qkv.parts[0].scales.dtype == torch.uint8
     assert isinstance(layer.down, Q8Linear) and isinstance(layer.gate_up, Q4Linear)
     assert isinstance(native.transformer.lm_head, Q8Linear)
     ids = ids_for(native)

@@ -70,35 +70,49 @@ def close_to_exact(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert worst <= 1.0, f"error {worst:.2f}x the float32 bound"
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K])
+@pytest.mark.parametrize(
+    ("ggml_type", "compact"),
+    [(GGMLType.Q4_0, False), (GGMLType.Q4_1, False), (GGMLType.Q4_K, False), (GGMLType.Q4_K, True)],
+)
 @pytest.mark.parametrize("out_features", [1, 7, 33, 97])
-def test_q4_kernel_computes_the_dequantized_weights(ggml_type, out_features):
+def test_q4_kernel_computes_the_dequantized_weights(ggml_type, compact, out_features):
     in_features = 512 if ggml_type == GGMLType.Q4_K else 96
     raw = random_blocks(ggml_type, out_features, in_features, seed=out_features)
     shape = (out_features, in_features)
     weight = dequantize(raw, ggml_type, shape).float()
-    blocks = unpack_q4(raw, ggml_type, shape)
-    layer = Q4Linear(blocks.codes, blocks.scales, blocks.offsets)
+    blocks = unpack_q4(raw, ggml_type, shape, compact=compact)
+    supers = (blocks.scale_supers, blocks.offset_supers) if compact else ()
+    layer = Q4Linear(blocks.codes, blocks.scales, blocks.offsets, *supers)
+    if compact:  # the file's 6-bit sub-scales and sub-mins, a byte each
+        assert layer.scales.dtype == torch.uint8 and layer.offsets.dtype == torch.uint8
     assert torch.equal(layer.dequantized(), weight)
     g = torch.Generator().manual_seed(1)
     for rows in ROW_COUNTS:
         x = torch.randn(rows, in_features, generator=g)
         close_to_exact(layer(x), x, weight)
-        # float32 scales (a file's values that float16 cannot hold) take the same path
-        y = torch.ops.kvchat.q4_matmul(x, layer.codes, layer.scales.float(), layer.offsets.float())
-        close_to_exact(y, x, weight)
+        if not compact:
+            # float32 scales (a file's values that float16 cannot hold) take the same path
+            y = torch.ops.kvchat.q4_matmul(
+                x, layer.codes, layer.scales.float(), layer.offsets.float()
+            )
+            close_to_exact(y, x, weight)
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q6_K])
+@pytest.mark.parametrize(
+    ("ggml_type", "compact"),
+    [(GGMLType.Q8_0, False), (GGMLType.Q5_0, False), (GGMLType.Q6_K, False), (GGMLType.Q6_K, True)],
+)
 @pytest.mark.parametrize("out_features", [1, 5, 64, 131])
-def test_q8_kernel_computes_the_dequantized_weights(ggml_type, out_features):
+def test_q8_kernel_computes_the_dequantized_weights(ggml_type, compact, out_features):
     in_features = 512 if ggml_type == GGMLType.Q6_K else 160
     raw = random_blocks(ggml_type, out_features, in_features, seed=out_features)
     shape = (out_features, in_features)
     weight = dequantize(raw, ggml_type, shape).float()
-    blocks = unpack_int8(raw, ggml_type, shape)
+    blocks = unpack_int8(raw, ggml_type, shape, compact=compact)
     assert blocks.group == (16 if ggml_type == GGMLType.Q6_K else 32)
-    layer = Q8Linear(blocks.codes, blocks.scales)
+    layer = Q8Linear(blocks.codes, blocks.scales, *((blocks.scale_supers,) if compact else ()))
+    if compact:  # the file's int8 sub-scales, a byte each
+        assert layer.scales.dtype == torch.int8
     if ggml_type != GGMLType.Q6_K:  # a GGUF's f16 scales are kept as they are
         assert layer.scales.dtype == torch.float16
     assert torch.equal(layer.dequantized(), weight)
@@ -135,34 +149,42 @@ def test_long_rows_are_tiled_along_k_too(rows):
 
 
 def _column_scales(layer) -> torch.Tensor:
-    """Each weight's scale, [N, K]: what bounds the error of the bf16 dot-product path,
-    whose codes carry a bias of up to 160 scales."""
-    per = layer.in_features // layer.scales.shape[1]
-    return layer.scales.float().abs().repeat_interleave(per, dim=1)
+    """Each weight's scale magnitude, [N, K]: what bounds the error of the bf16
+    dot-product path, whose codes carry a bias of up to 160 scales."""
+    scales = layer.scales.float()
+    supers = getattr(layer, "scale_supers", None)
+    if supers is not None:  # a K-quant's sub-scales, each times its 256 columns' super-scale
+        scales = scales * supers.float().repeat_interleave(scales.shape[1] // supers.shape[1], 1)
+    per = layer.in_features // scales.shape[1]
+    return scales.abs().repeat_interleave(per, dim=1)
 
 
 @pytest.mark.parametrize(
-    "ggml_type",
-    [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q5_0, GGMLType.Q6_K, GGMLType.Q8_0],
-)
+    ("ggml_type", "compact"),
+    [(GGMLType.Q4_0, False), (GGMLType.Q4_1, False), (GGMLType.Q4_K, False),
+     (GGMLType.Q4_K, True), (GGMLType.Q5_0, False), (GGMLType.Q6_K, False),
+     (GGMLType.Q6_K, True), (GGMLType.Q8_0, False)],
+)  # fmt: skip
 @pytest.mark.parametrize("out_features", [1, 7, 33])
-def test_bf16_activations_give_the_product_of_their_values(ggml_type, out_features):
+def test_bf16_activations_give_the_product_of_their_values(ggml_type, compact, out_features):
     """bf16 rows (decode batches take the dot-product path where the CPU has it): within
     bf16's rounding of the float64 product, plus float32 sums of the biased codes. Odd
-    group counts and a block of 16 scales with a remainder (1,120 columns) included."""
-    in_features = 1280 if ggml_type in (GGMLType.Q4_K, GGMLType.Q6_K) else 1120
-    for k in (in_features, 96):
-        if ggml_type in (GGMLType.Q4_K, GGMLType.Q6_K) and k == 96:
-            continue
+    group counts and a block of 16 scales with a remainder (1,120 columns) included, and
+    the K-quants' integer sub-scales with their super-scales."""
+    k_quant = ggml_type in (GGMLType.Q4_K, GGMLType.Q6_K)
+    for k in (1280,) if k_quant else (1120, 96):
         raw = random_blocks(ggml_type, out_features, k, seed=out_features + k)
         shape = (out_features, k)
         if ggml_type in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K):
-            blocks = unpack_q4(raw, ggml_type, shape)
-            layer = Q4Linear(blocks.codes, blocks.scales, blocks.offsets)
+            blocks = unpack_q4(raw, ggml_type, shape, compact=compact)
+            supers = (blocks.scale_supers, blocks.offset_supers) if compact else ()
+            layer = Q4Linear(blocks.codes, blocks.scales, blocks.offsets, *supers)
         else:
-            blocks = unpack_int8(raw, ggml_type, shape)
-            layer = Q8Linear(blocks.codes, blocks.scales)
+            blocks = unpack_int8(raw, ggml_type, shape, compact=compact)
+            supers = (blocks.scale_supers,) if compact else ()
+            layer = Q8Linear(blocks.codes, blocks.scales, *supers)
             assert layer.small_codes == (ggml_type != GGMLType.Q8_0)
+        assert (layer.scales.dtype in (torch.int8, torch.uint8)) == compact
         weight = layer.dequantized().double()
         scales = _column_scales(layer).double()
         g = torch.Generator().manual_seed(k)
@@ -188,6 +210,13 @@ def test_misshapen_arguments_are_refused_with_the_reason():
     with pytest.raises(RuntimeError, match="offsets"):
         torch.ops.kvchat.q4_matmul(
             torch.randn(1, 64), layer.codes, layer.scales, layer.offsets.float()
+        )
+    with pytest.raises(RuntimeError, match="super-scales"):  # integer scales alone
+        torch.ops.kvchat.q4_matmul(
+            torch.randn(1, 64),
+            layer.codes,
+            layer.scales.to(torch.uint8),
+            layer.offsets.to(torch.uint8),
         )
 
 

@@ -31,7 +31,7 @@ from kvchat.paths import app_paths
 
 Progress = Callable[[str], None]
 CONVERSION_VERSION = 1  # bump when the converted folder's layout changes
-NATIVE_CACHE_VERSION = 7  # bump when the prepared layers change (7: kvchat's kernels in bf16 too)
+NATIVE_CACHE_VERSION = 8  # bump when the prepared layers change (8: K-quants' own scales)
 
 
 @dataclass

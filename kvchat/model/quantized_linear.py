@@ -57,6 +57,7 @@ class _WeightOnlyLinear:
 
     __slots__ = ("bias", "dense", "dense_packed", "in_features", "out_features")
     _TENSORS: tuple[str, ...] = ()
+    _OPTIONAL: tuple[str, ...] = ()  # tensors a layer may lack (None), streamed when present
     dense_from_rows = DENSE_FROM_TOKENS
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,12 +93,12 @@ class _WeightOnlyLinear:
         return PACKED_FROM_TOKENS if packs else None
 
     def nbytes(self) -> int:
-        tensors = (getattr(self, name) for name in self._TENSORS)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        tensors = (getattr(self, name) for name in (*self._TENSORS, *self._OPTIONAL))
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def state(self) -> dict[str, torch.Tensor]:
         out = {name: getattr(self, name) for name in self._TENSORS}
-        for name in ("bias", "dense"):
+        for name in (*self._OPTIONAL, "bias", "dense"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
         return out
@@ -108,6 +109,8 @@ class _WeightOnlyLinear:
         self = cls.__new__(cls)
         for name in cls._TENSORS:
             setattr(self, name, state[name])
+        for name in cls._OPTIONAL:
+            setattr(self, name, state.get(name))
         self._set_extras(state.get("bias"), state.get("dense"))
         self._set_shape()
         return self
@@ -237,19 +240,33 @@ class _KernelLinear(_WeightOnlyLinear):
         return F.linear(x, self.fallback)
 
 
+def expanded(values: torch.Tensor, supers: torch.Tensor | None) -> torch.Tensor:
+    """Scales (or offsets) as float32 values: integer sub-scales times their 256 columns'
+    super-scale where they come as a K-quant stores them, else as they are."""
+    if supers is None:
+        return values.float()
+    per_super = values.shape[1] // supers.shape[1]
+    return values.float() * supers.float().repeat_interleave(per_super, dim=1)
+
+
 class Q4Linear(_KernelLinear):
     """W [N, K] as 4-bit codes with a scale and an offset per group of 32 columns
     (`w = code * scale + offset`), in the kernel's layout: a group is 16 bytes, byte j
-    holding element j in its low nibble and element j + 16 in its high one."""
+    holding element j in its low nibble and element j + 16 in its high one. A Q4_K
+    matrix may keep its 6-bit sub-scales and sub-mins with their float16 super-scales
+    (`scale_supers`, `offset_supers`: see `Int4Blocks`)."""
 
-    __slots__ = ("codes", "offsets", "scales")
+    __slots__ = ("codes", "offset_supers", "offsets", "scale_supers", "scales")
     _TENSORS = ("codes", "scales", "offsets")
+    _OPTIONAL = ("scale_supers", "offset_supers")
 
     def __init__(
         self,
         codes: torch.Tensor,  # [N, K] integers in 0..15
         scales: torch.Tensor,  # [N, K / 32]
         offsets: torch.Tensor,  # [N, K / 32]
+        scale_supers: torch.Tensor | None = None,  # [N, K / 256] with integer scales
+        offset_supers: torch.Tensor | None = None,
         *,
         bias: torch.Tensor | None = None,
         dense: torch.Tensor | None = None,
@@ -257,7 +274,14 @@ class Q4Linear(_KernelLinear):
         n, k = codes.shape
         halves = codes.to(torch.uint8).reshape(n, k // GROUP_SIZE, 2, GROUP_SIZE // 2)
         self.codes = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-        self.scales, self.offsets = compact_scales(scales, offsets)
+        if scale_supers is None:
+            self.scales, self.offsets = compact_scales(scales, offsets)
+            self.scale_supers = self.offset_supers = None
+        else:
+            self.scales = scales.to(torch.uint8).contiguous()
+            self.offsets = offsets.to(torch.uint8).contiguous()
+            self.scale_supers = scale_supers.half().contiguous()
+            self.offset_supers = offset_supers.half().contiguous()
         self._set_extras(bias, dense)
         self._set_shape()
 
@@ -266,34 +290,53 @@ class Q4Linear(_KernelLinear):
         self.in_features = self.codes.shape[1] * 2
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kvchat.q4_matmul(x, self.codes, self.scales, self.offsets)
+        return torch.ops.kvchat.q4_matmul(
+            x, self.codes, self.scales, self.offsets, self.scale_supers, self.offset_supers
+        )
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight this layer multiplies by (for tests and fallbacks)."""
         n, k = self.out_features, self.in_features
         groups = self.codes.reshape(n, k // GROUP_SIZE, 1, GROUP_SIZE // 2)
         codes = torch.cat([groups & 0x0F, groups >> 4], dim=2).reshape(n, k // GROUP_SIZE, -1)
-        w = codes.float() * self.scales.float()[..., None] + self.offsets.float()[..., None]
+        scales = expanded(self.scales, self.scale_supers)
+        offsets = expanded(self.offsets, self.offset_supers)
+        w = codes.float() * scales[..., None] + offsets[..., None]
         return w.reshape(n, k)
 
     @classmethod
-    def fused(cls, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], **kw) -> Q4Linear:
-        """Several projections of the same input stacked by rows into one weight."""
-        codes, scales, offsets = (torch.cat([p[i] for p in parts], dim=0) for i in range(3))
-        return cls(codes, scales, offsets, **kw)
+    def fused(cls, parts: list[tuple[torch.Tensor, ...]], **kw) -> Q4Linear:
+        """Several projections of the same input stacked by rows into one weight (parts
+        all with super-scales, or all without)."""
+        return cls(*(torch.cat([p[i] for p in parts], dim=0) for i in range(len(parts[0]))), **kw)
 
 
 class Q8Linear(_KernelLinear):
     """W [N, K] as int8 codes with a scale per 32 columns (GGUF's Q8_0 and Q5_0) or per
-    16 (Q6_K's sub-blocks, d * sub-scale), so such a matrix is computed exactly at 8 bits
-    a weight (plus its scales) instead of a dense copy's 16 or 32."""
+    16 (Q6_K's sub-blocks, d * sub-scale, or its int8 sub-scales with d as `scale_supers`),
+    so such a matrix is computed exactly at 8 bits a weight (plus its scales) instead of
+    a dense copy's 16 or 32."""
 
-    __slots__ = ("codes", "scales", "small_codes")
+    __slots__ = ("codes", "scale_supers", "scales", "small_codes")
     _TENSORS = ("codes", "scales")
+    _OPTIONAL = ("scale_supers",)
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, *, bias=None, dense=None):
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        scale_supers: torch.Tensor | None = None,
+        *,
+        bias=None,
+        dense=None,
+    ):
         self.codes = codes.to(torch.int8).contiguous().view(torch.uint8)  # the kernel's type
-        (self.scales,) = compact_scales(scales)
+        if scale_supers is None:
+            (self.scales,) = compact_scales(scales)
+            self.scale_supers = None
+        else:
+            self.scales = scales.to(torch.int8).contiguous()
+            self.scale_supers = scale_supers.half().contiguous()
         self._set_extras(bias, dense)
         self._set_shape()
 
@@ -304,20 +347,22 @@ class Q8Linear(_KernelLinear):
         self.small_codes = bool(low >= -32 and high <= 31)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kvchat.q8_matmul(x, self.codes, self.scales, self.small_codes)
+        return torch.ops.kvchat.q8_matmul(
+            x, self.codes, self.scales, self.scale_supers, self.small_codes
+        )
 
     def dequantized(self) -> torch.Tensor:
         n, k = self.codes.shape
         groups = self.scales.shape[1]
         codes = self.codes.view(torch.int8).float().reshape(n, groups, k // groups)
-        return (codes * self.scales.float()[..., None]).reshape(n, k)
+        scales = expanded(self.scales, self.scale_supers)
+        return (codes * scales[..., None]).reshape(n, k)
 
     @classmethod
-    def fused(cls, parts: list[tuple[torch.Tensor, torch.Tensor]], **kw) -> Q8Linear:
+    def fused(cls, parts: list[tuple[torch.Tensor, ...]], **kw) -> Q8Linear:
         """Several projections of the same input stacked by rows (their scales per as
-        many columns)."""
-        codes, scales = (torch.cat([p[i] for p in parts], dim=0) for i in range(2))
-        return cls(codes, scales, **kw)
+        many columns, all with super-scales or all without)."""
+        return cls(*(torch.cat([p[i] for p in parts], dim=0) for i in range(len(parts[0]))), **kw)
 
 
 _KINDS = {"int4": Int4Linear, "int8": Int8Linear, "q4": Q4Linear, "q8": Q8Linear}

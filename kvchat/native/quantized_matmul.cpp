@@ -12,7 +12,9 @@
 // element j + 16 in its high one (GGUF's Q4_0/Q4_1 order); an 8-bit group is 32 signed
 // bytes. Each group has a scale (and a 4-bit one an offset) in float32 or float16; the
 // half ones are converted a row at a time. An 8-bit group may instead have a scale per
-// half (16 weights): Q6_K's sub-blocks, whose scales no one scale per 32 can hold. Decode (one or two rows) streams each weight
+// half (16 weights): Q6_K's sub-blocks, whose scales no one scale per 32 can hold. Scales
+// and offsets may also come as a K-quant stores them, 8-bit integers each times a float16
+// per 256 columns (`Scales`), expanded a row at a time like the half ones. Decode (one or two rows) streams each weight
 // row once through the fused loop; a few more rows dequantize a weight row once into a
 // buffer that stays in L1 and take the activation rows four at a time; prefill batches
 // dequantize a tile of weight rows and hand it to torch's matrix product.
@@ -38,6 +40,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -303,23 +306,40 @@ void buffered_tile(const float* w, const float* x, int64_t k, int64_t rows, floa
   buffered_row<R>(w, x, k, dots);
 }
 
-// A row's float32 scales (or offsets), converted from half where they are stored so.
+// A matrix's scales (or offsets) as stored: float32 or float16 values, or a K-quant's
+// integer sub-scales, each times its 256 columns' float16 super-scale (`supers`, [N,
+// K / 256]): Q4_K's and Q6_K's own bytes, a quarter or half of float16 scales' (a
+// decode step streams them with the codes). `values` is null where there are none.
 template <typename S>
-const float* as_floats(const S* p, int64_t n, float* scratch) {
-  if constexpr (std::is_same_v<S, float>) {
-    return p;
-  } else {
-    int64_t i = 0;
+struct Scales {
+  const S* values = nullptr;
+  const c10::Half* supers = nullptr;
+  int64_t per_super = 1;  // values a super-scale covers: K / 256 divides a row's count
+
+  // Values [at, at + n) of the flattened [N, per_row] array as float32 (`scratch` holds n).
+  const float* floats(int64_t at, int64_t n, float* scratch) const {
+    const S* p = values + at;
+    if constexpr (std::is_same_v<S, float>) {
+      return p;
+    } else if constexpr (std::is_same_v<S, c10::Half>) {
+      int64_t i = 0;
 #if defined(__F16C__)
-    for (; i + 8 <= n; i += 8) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
-      _mm256_storeu_ps(scratch + i, _mm256_cvtph_ps(h));
-    }
+      for (; i + 8 <= n; i += 8) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i));
+        _mm256_storeu_ps(scratch + i, _mm256_cvtph_ps(h));
+      }
 #endif
-    for (; i < n; ++i) scratch[i] = static_cast<float>(p[i]);
-    return scratch;
+      for (; i < n; ++i) scratch[i] = static_cast<float>(p[i]);
+      return scratch;
+    } else {
+      // exact: an 8-bit integer times a float16 fits float32's 24-bit significand
+      for (int64_t i = 0; i < n; ++i) {
+        scratch[i] = static_cast<float>(p[i]) * static_cast<float>(supers[(at + i) / per_super]);
+      }
+      return scratch;
+    }
   }
-}
+};
 
 // A pass of fused_rows over weight rows [row, row + W) for the m (<= 2) activation rows.
 template <typename F, int W>
@@ -349,7 +369,8 @@ template <typename F>
 constexpr int64_t scratch_floats(int64_t groups) { return (F::kScales + 1) * groups; }
 
 template <typename F, typename S>
-void dequantize_rows(const uint8_t* codes, const S* scales, const S* offsets, int64_t k,
+void dequantize_rows(const uint8_t* codes, const Scales<S>& scales, const Scales<S>& offsets,
+                     int64_t k,
                      int64_t begin, int64_t end, int64_t g0, int64_t g1, float* dst,
                      float* scratch) {
   const int64_t groups = k / kGroup, width = (g1 - g0) * kGroup;
@@ -358,8 +379,8 @@ void dequantize_rows(const uint8_t* codes, const S* scales, const S* offsets, in
   for (int64_t row = begin; row < end; ++row) {
     const int64_t first = row * groups + g0;
     const uint8_t* c = codes + first * F::kBytes;
-    const float* s = as_floats(scales + first * F::kScales, (g1 - g0) * F::kScales, scale_row);
-    const float* o = F::kOffset ? as_floats(offsets + first, g1 - g0, offset_row) : nullptr;
+    const float* s = scales.floats(first * F::kScales, (g1 - g0) * F::kScales, scale_row);
+    const float* o = F::kOffset ? offsets.floats(first, g1 - g0, offset_row) : nullptr;
     float* w = dst + (row - begin) * width;
     for (int64_t g = 0; g < g1 - g0; ++g) {
       Vec v[kPerGroup];
@@ -373,8 +394,8 @@ void dequantize_rows(const uint8_t* codes, const S* scales, const S* offsets, in
 // out[m, n] = sum_k x[m, k] * w[n, k] for weight rows [begin, end).
 template <typename F, typename S>
 void matmul_rows(const float* x, const float* xsum, int64_t m, int64_t k, const uint8_t* codes,
-                 const S* scales, const S* offsets, int64_t begin, int64_t end, int64_t n,
-                 float* out) {
+                 const Scales<S>& scales, const Scales<S>& offsets, int64_t begin, int64_t end,
+                 int64_t n, float* out) {
   const int64_t groups = k / kGroup;
   constexpr int W = kFusedWeightRows;
   if (m <= kFusedRows) {
@@ -382,11 +403,10 @@ void matmul_rows(const float* x, const float* xsum, int64_t m, int64_t k, const 
     for (int64_t row = begin; row < end;) {
       const int64_t take = end - row >= W ? W : 1;
       const uint8_t* c = codes + row * groups * F::kBytes;
-      const float* s = as_floats(scales + row * groups * F::kScales, take * groups * F::kScales,
-                                 scale_rows.data());
-      const float* o = F::kOffset
-                           ? as_floats(offsets + row * groups, take * groups, offset_rows.data())
-                           : nullptr;
+      const float* s =
+          scales.floats(row * groups * F::kScales, take * groups * F::kScales, scale_rows.data());
+      const float* o =
+          F::kOffset ? offsets.floats(row * groups, take * groups, offset_rows.data()) : nullptr;
       for (int64_t r0 = 0; r0 < m; r0 += 2) {
         const int64_t pair = std::min<int64_t>(2, m - r0);
         if (take == W) {
@@ -421,8 +441,8 @@ void matmul_rows(const float* x, const float* xsum, int64_t m, int64_t k, const 
 // loop above cannot match; tiles along K accumulate into the same output columns. Only
 // one tile is ever dequantized, so the weights stay 4-bit in memory.
 template <typename F, typename S>
-void tiled_matmul(const at::Tensor& x, const uint8_t* codes, const S* scales, const S* offsets,
-                  at::Tensor& out) {
+void tiled_matmul(const at::Tensor& x, const uint8_t* codes, const Scales<S>& scales,
+                  const Scales<S>& offsets, at::Tensor& out) {
   const int64_t k = x.size(1), n = out.size(1);
   const int64_t width = std::min<int64_t>(k, kTileColumns);
   const int64_t fit = kTileBytes / (width * static_cast<int64_t>(sizeof(float)));
@@ -449,6 +469,29 @@ void tiled_matmul(const at::Tensor& x, const uint8_t* codes, const S* scales, co
       }
     }
   }
+}
+
+// Checks `scales` (or offsets) against the weight and returns what `Scales` reads: float32
+// or float16 values, or 8-bit integer sub-scales with their float16 `supers` [N, K / 256].
+template <typename S>
+Scales<S> scales_of(const at::Tensor& t, const std::optional<at::Tensor>& supers, int64_t n,
+                    int64_t k, int64_t per_row, const char* op, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.size(0) == n && t.size(1) == per_row, op,
+              ": ", what, " [N, ", per_row, "], contiguous");
+  Scales<S> out;
+  out.values = t.data_ptr<S>();
+  if constexpr (std::is_integral_v<S>) {
+    TORCH_CHECK(supers.has_value() && k % 256 == 0, op, ": integer ", what,
+                " need their float16 super-scales (K a multiple of 256)");
+    TORCH_CHECK(supers->dim() == 2 && supers->is_contiguous() && supers->size(0) == n &&
+                    supers->size(1) == k / 256 && supers->scalar_type() == at::kHalf,
+                op, ": ", what, "' super-scales [N, K / 256] float16, contiguous");
+    out.supers = supers->data_ptr<c10::Half>();
+    out.per_super = per_row / (k / 256);
+  } else {
+    TORCH_CHECK(!supers.has_value(), op, ": super-scales go with integer ", what);
+  }
+  return out;
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -516,13 +559,33 @@ inline __m512i scale_lanes(int u) {
   }
 }
 
+// Scales [at, at + n) (n <= 16) of a matrix as 16 float lanes, zero past n; a K-quant's
+// integer sub-scales times their super-scales (one per 8 or 16 of them in a block).
 template <typename S>
-inline __m512 load_scales(const S* p, int64_t n) {
+inline __m512 load_scales(const Scales<S>& sc, int64_t at, int64_t n) {
   const __mmask16 mask = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  const S* p = sc.values + at;
   if constexpr (std::is_same_v<S, float>) {
     return _mm512_maskz_loadu_ps(mask, p);
-  } else {
+  } else if constexpr (std::is_same_v<S, c10::Half>) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+  } else {
+    const __m128i bytes = _mm_maskz_loadu_epi8(mask, p);
+    const __m512 values = _mm512_cvtepi32_ps(std::is_signed_v<S> ? _mm512_cvtepi8_epi32(bytes)
+                                                                 : _mm512_cvtepu8_epi32(bytes));
+    const auto super = [&](int64_t i) { return static_cast<float>(sc.supers[i]); };
+    __m512 supers;
+    if (sc.per_super % 16 == 0 && at % 16 == 0) {
+      supers = _mm512_set1_ps(super(at / sc.per_super));
+    } else if (sc.per_super == 8 && at % 8 == 0) {
+      supers = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(super(at / 8)),
+                                    _mm512_set1_ps(n > 8 ? super(at / 8 + 1) : 0.f));
+    } else {
+      alignas(64) float lanes[16];
+      for (int64_t i = 0; i < 16; ++i) lanes[i] = i < n ? super((at + i) / sc.per_super) : 0.f;
+      supers = _mm512_load_ps(lanes);
+    }
+    return _mm512_mul_ps(values, supers);  // exact: an 8-bit integer times a float16
   }
 }
 
@@ -572,8 +635,9 @@ void bf16_activations(const uint16_t* x, int64_t m, int64_t k, uint16_t* xs, flo
 
 // Dot products of W weight rows with R activation rows (see above for the unit layout).
 template <typename B, typename S, int R, int W>
-void bf16_rows(const uint8_t* codes, const S* scales, const S* offsets, int64_t groups,
-               const uint16_t* xs, const float* sums, float* dots) {
+void bf16_rows(const uint8_t* codes, const Scales<S>& scales, const Scales<S>& offsets,
+               int64_t first_row, int64_t groups, const uint16_t* xs, const float* sums,
+               float* dots) {
   const int64_t scales_n = groups * B::kScalesPerGroup, padded = (scales_n + 15) / 16 * 16;
   const int64_t row_bytes = groups * B::kGroupBytes;
   const int64_t x_row = B::units(groups) * B::kVectors * 32;
@@ -588,11 +652,12 @@ void bf16_rows(const uint8_t* codes, const S* scales, const S* offsets, int64_t 
     const int units = B::units_in(in_block);
     __m512 s[W];
     for (int w = 0; w < W; ++w) {
-      s[w] = load_scales(scales + w * scales_n + s0, in_block);
+      const int64_t at = (first_row + w) * scales_n + s0;
+      s[w] = load_scales(scales, at, in_block);
       // the offsets, less the bias the codes carry, times each scale's activation sum
       __m512 fix = _mm512_mul_ps(s[w], bias);
       if constexpr (B::kOffset) {
-        fix = _mm512_sub_ps(load_scales(offsets + w * scales_n + s0, in_block), fix);
+        fix = _mm512_sub_ps(load_scales(offsets, at, in_block), fix);
       } else {
         fix = _mm512_sub_ps(_mm512_setzero_ps(), fix);
       }
@@ -629,26 +694,29 @@ void bf16_rows(const uint8_t* codes, const S* scales, const S* offsets, int64_t 
 // out[m, n] (m <= kFusedRows) for bf16 x: weight rows [begin, end), W at a time, the
 // activation rows two at a time.
 template <typename B, typename S>
-void bf16_matmul_rows(const uint8_t* codes, const S* scales, const S* offsets, int64_t groups,
-                      const uint16_t* xs, const float* sums, int64_t m, int64_t begin,
-                      int64_t end, int64_t n, float* out) {
+void bf16_matmul_rows(const uint8_t* codes, const Scales<S>& scales, const Scales<S>& offsets,
+                      int64_t groups, const uint16_t* xs, const float* sums, int64_t m,
+                      int64_t begin, int64_t end, int64_t n, float* out) {
   constexpr int W = 4;
   const int64_t scales_n = groups * B::kScalesPerGroup, padded = (scales_n + 15) / 16 * 16;
   const int64_t x_row = B::units(groups) * B::kVectors * 32;
   for (int64_t row = begin; row < end;) {
     const int take = end - row >= W ? W : 1;
     const uint8_t* c = codes + row * groups * B::kGroupBytes;
-    const S* s = scales + row * scales_n;
-    const S* o = B::kOffset ? offsets + row * scales_n : nullptr;
     for (int64_t r0 = 0; r0 < m; r0 += 2) {
       float dots[W * 2];
       const int pair = m - r0 >= 2 ? 2 : 1;
       const uint16_t* x = xs + r0 * x_row;
       const float* sum = sums + r0 * padded;
-      if (take == W && pair == 2) bf16_rows<B, S, 2, W>(c, s, o, groups, x, sum, dots);
-      else if (take == W) bf16_rows<B, S, 1, W>(c, s, o, groups, x, sum, dots);
-      else if (pair == 2) bf16_rows<B, S, 2, 1>(c, s, o, groups, x, sum, dots);
-      else bf16_rows<B, S, 1, 1>(c, s, o, groups, x, sum, dots);
+      if (take == W && pair == 2) {
+        bf16_rows<B, S, 2, W>(c, scales, offsets, row, groups, x, sum, dots);
+      } else if (take == W) {
+        bf16_rows<B, S, 1, W>(c, scales, offsets, row, groups, x, sum, dots);
+      } else if (pair == 2) {
+        bf16_rows<B, S, 2, 1>(c, scales, offsets, row, groups, x, sum, dots);
+      } else {
+        bf16_rows<B, S, 1, 1>(c, scales, offsets, row, groups, x, sum, dots);
+      }
       for (int w = 0; w < take; ++w) {
         for (int r = 0; r < pair; ++r) out[(r0 + r) * n + row + w] = dots[w * pair + r];
       }
@@ -657,9 +725,9 @@ void bf16_matmul_rows(const uint8_t* codes, const S* scales, const S* offsets, i
   }
 }
 
-template <typename B>
-at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                       const at::Tensor* offsets) {
+template <typename B, typename S>
+at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& codes, const Scales<S>& scales,
+                       const Scales<S>& offsets) {
   const int64_t m = x.size(0), k = x.size(1), n = codes.size(0), groups = k / kGroup;
   const int64_t scales_n = groups * B::kScalesPerGroup, padded = (scales_n + 15) / 16 * 16;
   std::vector<uint16_t> xs(m * B::units(groups) * B::kVectors * 32);
@@ -670,18 +738,15 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
   float* op = out.data_ptr<float>();
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const int64_t grain = std::max<int64_t>(4, kSerialMacs / std::max<int64_t>(1, m * k)) / 4 * 4;
-  auto run = [&](auto tag) {
-    using S = decltype(tag);
-    const S* sp = scales.data_ptr<S>();
-    const S* offp = offsets != nullptr ? offsets->data_ptr<S>() : nullptr;
-    auto body = [&](int64_t begin, int64_t end) {
-      bf16_matmul_rows<B, S>(cp, sp, offp, groups, xs.data(), sums.data(), m, begin, end, n, op);
-    };
-    if (n <= grain) body(0, n);
-    else at::parallel_for(0, n, grain, body);
+  auto body = [&](int64_t begin, int64_t end) {
+    bf16_matmul_rows<B, S>(cp, scales, offsets, groups, xs.data(), sums.data(), m, begin, end, n,
+                           op);
   };
-  if (scales.scalar_type() == at::kFloat) run(float{});
-  else run(c10::Half{});
+  if (n <= grain) {
+    body(0, n);
+  } else {
+    at::parallel_for(0, n, grain, body);
+  }
   return out.to(at::kBFloat16);
 }
 #else
@@ -689,9 +754,9 @@ constexpr bool kBf16Dots = false;
 struct Bf16Q4 {};
 template <int ScalesPerGroup>
 struct Bf16Q8 {};
-template <typename B>
-at::Tensor bf16_matmul(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                       const at::Tensor*) {
+template <typename B, typename S>
+at::Tensor bf16_matmul(const at::Tensor&, const at::Tensor&, const Scales<S>&,
+                       const Scales<S>&) {
   TORCH_CHECK(false, "this build has no bf16 dot products");
 }
 #endif
@@ -700,7 +765,8 @@ at::Tensor bf16_matmul(const at::Tensor&, const at::Tensor&, const at::Tensor&,
 template <typename F, typename B = void>
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
                             const at::Tensor& scales, const at::Tensor* offsets,
-                            const char* op) {
+                            const std::optional<at::Tensor>& scale_supers,
+                            const std::optional<at::Tensor>& offset_supers, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), op, ": x a contiguous [rows, K] tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": x float32 or bfloat16");
@@ -710,20 +776,29 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
                   codes.size(1) == k / kGroup * F::kBytes,
               op, ": codes [N, K / 32 * ", F::kBytes, "] uint8, contiguous");
   const auto scale_type = scales.scalar_type();
-  TORCH_CHECK(scale_type == at::kFloat || scale_type == at::kHalf, op,
-              ": scales float32 or float16");
-  TORCH_CHECK(scales.dim() == 2 && scales.is_contiguous() && scales.size(0) == n &&
-                  scales.size(1) == k / kGroup * F::kScales,
-              op, ": scales [N, K / ", kGroup / F::kScales, "], contiguous");
+  TORCH_CHECK(scale_type == at::kFloat || scale_type == at::kHalf || scale_type == at::kChar ||
+                  scale_type == at::kByte,
+              op, ": scales float32, float16, int8 or uint8");
   if (offsets != nullptr) {
-    TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->is_contiguous() &&
-                    offsets->scalar_type() == scale_type,
-                op, ": offsets shaped and typed like the scales");
+    TORCH_CHECK(offsets->scalar_type() == scale_type, op, ": offsets typed like the scales");
   }
-  if constexpr (kBf16Dots && !std::is_void_v<B>) {
-    if (x.scalar_type() == at::kBFloat16 && m <= kFusedRows) {
-      return bf16_matmul<B>(x, codes, scales, offsets);
-    }
+  const bool bf16_dots =
+      kBf16Dots && !std::is_void_v<B> && x.scalar_type() == at::kBFloat16 && m <= kFusedRows;
+  if (bf16_dots) {
+    auto run = [&](auto scale_tag) {
+      using S = decltype(scale_tag);
+      const int64_t groups = k / kGroup;
+      const Scales<S> sc = scales_of<S>(scales, scale_supers, n, k, groups * F::kScales, op, "scales");
+      const Scales<S> off = offsets != nullptr
+                                ? scales_of<S>(*offsets, offset_supers, n, k, groups, op, "offsets")
+                                : Scales<S>{};
+      if constexpr (!std::is_void_v<B>) return bf16_matmul<B, S>(x, codes, sc, off);
+      return at::Tensor();
+    };
+    if (scale_type == at::kFloat) return run(float{});
+    if (scale_type == at::kHalf) return run(c10::Half{});
+    if (scale_type == at::kChar) return run(int8_t{});
+    return run(uint8_t{});
   }
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   at::Tensor out = at::empty({m, n}, xf.options());
@@ -738,13 +813,16 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
   }
   auto run = [&](auto scale_tag) {
     using S = decltype(scale_tag);
-    const S* sp = scales.data_ptr<S>();
-    const S* offp = offsets != nullptr ? offsets->data_ptr<S>() : nullptr;
+    const int64_t groups = k / kGroup;
+    const Scales<S> sc = scales_of<S>(scales, scale_supers, n, k, groups * F::kScales, op, "scales");
+    const Scales<S> off = offsets != nullptr
+                              ? scales_of<S>(*offsets, offset_supers, n, k, groups, op, "offsets")
+                              : Scales<S>{};
     auto body = [&](int64_t begin, int64_t end) {
-      matmul_rows<F, S>(xp, xsum.data(), m, k, cp, sp, offp, begin, end, n, op_out);
+      matmul_rows<F, S>(xp, xsum.data(), m, k, cp, sc, off, begin, end, n, op_out);
     };
     if (m >= tile_from_rows(k)) {
-      tiled_matmul<F, S>(xf, cp, sp, offp, out);
+      tiled_matmul<F, S>(xf, cp, sc, off, out);
     } else if (n <= grain) {
       body(0, n);
     } else {
@@ -753,30 +831,40 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
   };
   if (scale_type == at::kFloat) {
     run(float{});
-  } else {
+  } else if (scale_type == at::kHalf) {
     run(c10::Half{});
+  } else if (scale_type == at::kChar) {
+    run(int8_t{});
+  } else {
+    run(uint8_t{});
   }
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+// Scales (and offsets) [N, K / 32]; integer ones with their super-scales (Q4_K's bytes).
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                     const at::Tensor& offsets) {
-  return quantized_matmul<Q4, Bf16Q4>(x, codes, scales, &offsets, "q4_matmul");
+                     const at::Tensor& offsets, const std::optional<at::Tensor>& scale_supers,
+                     const std::optional<at::Tensor>& offset_supers) {
+  return quantized_matmul<Q4, Bf16Q4>(x, codes, scales, &offsets, scale_supers, offset_supers,
+                                      "q4_matmul");
 }
 
-// Scales [N, K / 32] (Q8_0) or [N, K / 16] (a scale per half group: Q6_K's sub-blocks).
-// `small_codes`: every code is within [-32, 31] (Q6_K, Q5_0), which bf16 rows may then
-// take through the dot-product path.
+// Scales [N, K / 32] (Q8_0) or [N, K / 16] (a scale per half group: Q6_K's sub-blocks,
+// float or int8 with their super-scales). `small_codes`: every code is within [-32, 31]
+// (Q6_K, Q5_0), which bf16 rows may then take through the dot-product path.
 at::Tensor q8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                     bool small_codes) {
+                     const std::optional<at::Tensor>& scale_supers, bool small_codes) {
   const char* op = "q8_matmul";
+  const auto none = std::nullopt;
   if (x.dim() == 2 && scales.dim() == 2 && scales.size(1) == x.size(1) / (kGroup / 2) &&
       x.size(1) % kGroup == 0) {
-    return small_codes ? quantized_matmul<Q8Halves, Bf16Q8<2>>(x, codes, scales, nullptr, op)
-                       : quantized_matmul<Q8Halves>(x, codes, scales, nullptr, op);
+    return small_codes
+               ? quantized_matmul<Q8Halves, Bf16Q8<2>>(x, codes, scales, nullptr, scale_supers, none, op)
+               : quantized_matmul<Q8Halves>(x, codes, scales, nullptr, scale_supers, none, op);
   }
-  return small_codes ? quantized_matmul<Q8, Bf16Q8<1>>(x, codes, scales, nullptr, op)
-                     : quantized_matmul<Q8>(x, codes, scales, nullptr, op);
+  return small_codes
+             ? quantized_matmul<Q8, Bf16Q8<1>>(x, codes, scales, nullptr, scale_supers, none, op)
+             : quantized_matmul<Q8>(x, codes, scales, nullptr, scale_supers, none, op);
 }
 
 // Which vector path this library was compiled with ("avx512", "avx2", "portable"),
@@ -786,8 +874,12 @@ std::string quantized_matmul_isa() { return kIsa; }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvchat, m) {
-  m.def("q4_matmul(Tensor x, Tensor codes, Tensor scales, Tensor offsets) -> Tensor");
-  m.def("q8_matmul(Tensor x, Tensor codes, Tensor scales, bool small_codes=False) -> Tensor");
+  m.def(
+      "q4_matmul(Tensor x, Tensor codes, Tensor scales, Tensor offsets, "
+      "Tensor? scale_supers=None, Tensor? offset_supers=None) -> Tensor");
+  m.def(
+      "q8_matmul(Tensor x, Tensor codes, Tensor scales, Tensor? scale_supers=None, "
+      "bool small_codes=False) -> Tensor");
   m.def("quantized_matmul_isa() -> str", quantized_matmul_isa);
 }
 

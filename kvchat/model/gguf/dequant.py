@@ -302,18 +302,28 @@ class Int4Blocks:
 
     `weight[r, c] == codes[r, c] * scales[r, c // 32] + offsets[r, c // 32]`
     exactly (in float32), for Q4_0 (offset = -8 * d), Q4_1 (offset = m) and
-    Q4_K (scale = d * sub-scale, offset = -dmin * sub-min).
+    Q4_K (scale = d * sub-scale, offset = -dmin * sub-min). Q4_K's may stay as the
+    file has them (`compact`): `scales` and `offsets` its 6-bit sub-scales and sub-mins
+    (uint8), each times its 256 columns' `scale_supers` (d) and `offset_supers` (-dmin),
+    float16 [rows, cols // 256]: 4.5 bits a weight streamed instead of 5.
     """
 
     codes: torch.Tensor  # [rows, cols] uint8 in 0..15
-    scales: torch.Tensor  # [rows, cols // 32] float32
-    offsets: torch.Tensor  # [rows, cols // 32] float32
+    scales: torch.Tensor  # [rows, cols // 32] float32 (uint8 when compact)
+    offsets: torch.Tensor  # [rows, cols // 32] float32 (uint8 when compact)
+    scale_supers: torch.Tensor | None = None  # [rows, cols // 256] float16, compact only
+    offset_supers: torch.Tensor | None = None
 
 
 def unpack_q4(
-    raw: np.ndarray | torch.Tensor, ggml_type: GGMLType, shape: Sequence[int]
+    raw: np.ndarray | torch.Tensor,
+    ggml_type: GGMLType,
+    shape: Sequence[int],
+    *,
+    compact: bool = False,
 ) -> Int4Blocks:
-    """Split a Q4_0, Q4_1 or Q4_K matrix of `shape` [rows, cols] into `Int4Blocks`."""
+    """Split a Q4_0, Q4_1 or Q4_K matrix of `shape` [rows, cols] into `Int4Blocks`
+    (a Q4_K one with its sub-scales as they are when `compact`)."""
     if ggml_type not in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K):
         raise ModelLoadError(
             f"unpack_q4 reads Q4_0, Q4_1 and Q4_K, not {GGMLType(ggml_type).name}."
@@ -328,9 +338,17 @@ def unpack_q4(
     if ggml_type == GGMLType.Q4_K:
         d, dmin = _f16(blocks, 0), _f16(blocks, 2)  # [n, 1]
         sc, mn = _k_scale_min(blocks[:, 4 : 4 + K_SCALE_SIZE])  # [n, 8]
+        codes = _nibbles(blocks[:, 4 + K_SCALE_SIZE :], 32)  # [n, 4, 2, 32]
+        if compact:
+            return Int4Blocks(
+                codes=codes.reshape(rows, cols),
+                scales=sc.reshape(rows, groups),
+                offsets=mn.reshape(rows, groups),
+                scale_supers=d.half().reshape(rows, -1),
+                offset_supers=(-dmin).half().reshape(rows, -1),
+            )
         scales = d * sc.to(torch.float32)
         offsets = -(dmin * mn.to(torch.float32))
-        codes = _nibbles(blocks[:, 4 + K_SCALE_SIZE :], 32)  # [n, 4, 2, 32]
     else:
         d = _f16(blocks, 0)  # [n, 1]
         scales = d
@@ -348,10 +366,14 @@ class Int8Blocks:
     """An 8-bit-or-narrower weight as signed codes and a scale per 32 or 16 columns:
     `weight[r, c] == codes[r, c] * scales[r, c // (cols // scales.shape[1])]` exactly
     (in float32), for Q8_0 (a scale per 32), Q5_0 (codes - 16, a scale per 32) and
-    Q6_K (codes - 32, d * sub-scale per 16: no one scale per 32 holds two sub-blocks)."""
+    Q6_K (codes - 32, d * sub-scale per 16: no one scale per 32 holds two sub-blocks).
+    Q6_K's may stay as the file has them (`compact`): `scales` its int8 sub-scales,
+    each times its 256 columns' `scale_supers` (d, float16 [rows, cols // 256]), half a
+    bit a weight where float32 scales per 16 took two."""
 
     codes: torch.Tensor  # [rows, cols] int8
-    scales: torch.Tensor  # [rows, cols // 32 or cols // 16] float32
+    scales: torch.Tensor  # [rows, cols // 32 or cols // 16] float32 (int8 when compact)
+    scale_supers: torch.Tensor | None = None  # [rows, cols // 256] float16, compact only
 
     @property
     def group(self) -> int:
@@ -363,9 +385,14 @@ EIGHT_BIT = (GGMLType.Q8_0, GGMLType.Q6_K, GGMLType.Q5_0)
 
 
 def unpack_int8(
-    raw: np.ndarray | torch.Tensor, ggml_type: GGMLType, shape: Sequence[int]
+    raw: np.ndarray | torch.Tensor,
+    ggml_type: GGMLType,
+    shape: Sequence[int],
+    *,
+    compact: bool = False,
 ) -> Int8Blocks:
-    """Split a Q8_0, Q5_0 or Q6_K matrix of `shape` [rows, cols] into `Int8Blocks`."""
+    """Split a Q8_0, Q5_0 or Q6_K matrix of `shape` [rows, cols] into `Int8Blocks` (a
+    Q6_K one with its sub-scales as they are when `compact`)."""
     if ggml_type not in EIGHT_BIT:
         raise ModelLoadError(
             f"unpack_int8 reads Q8_0, Q5_0 and Q6_K, not {GGMLType(ggml_type).name}."
@@ -387,8 +414,15 @@ def unpack_int8(
         ql = blocks[:, : QK_K // 2]
         qh = blocks[:, QK_K // 2 : QK_K // 2 + QK_K // 4]
         sub = blocks[:, QK_K // 2 + QK_K // 4 : -2].contiguous().view(torch.int8)  # [n, 16]
-        scales = _f16(blocks, bytes_per_block(GGMLType.Q6_K) - 2) * sub.to(torch.float32)
+        d = _f16(blocks, bytes_per_block(GGMLType.Q6_K) - 2)  # [n, 1]
         low = _nibbles(ql, 64).reshape(n_blocks, 8, 32)
         high = _bits(qh.reshape(n_blocks, 2, 32), 2).reshape(n_blocks, 8, 32)
         codes = (low | (high << 4)).to(torch.int8) - 32
+        if compact:
+            return Int8Blocks(
+                codes=codes.reshape(rows, cols),
+                scales=sub.reshape(rows, -1),
+                scale_supers=d.half().reshape(rows, -1),
+            )
+        scales = d * sub.to(torch.float32)
     return Int8Blocks(codes=codes.reshape(rows, cols), scales=scales.reshape(rows, -1))

@@ -84,10 +84,10 @@ def quantized_linears(
                 continue
             blocks = []
             for (_, kind), info in zip(parts, infos, strict=True):
-                b = _unpack(gguf, info)
+                form, b = _unpack(gguf, info)
                 if permute and kind in heads:
                     b = tuple(undo_llama_cpp_permute(t, heads[kind]) for t in b)
-                blocks.append(b)
+                blocks.append((form, b))
             names = [
                 f"{prefix}{p}.weight"
                 for p in hf_parts.get(target, (target.removesuffix(".weight"),))
@@ -103,8 +103,8 @@ def quantized_linears(
     if head is not None and head.ggml_type in EIGHT_BIT:
         # the file's exact weights at 8 bits: a Q6_K head (llama-quantize's choice for
         # Q4_0 and Q4_K_M files) is the largest matrix of a small model
-        codes, scales = _unpack(gguf, head)
-        out["lm_head"] = Q8Linear(codes, scales)
+        _, blocks = _unpack(gguf, head)
+        out["lm_head"] = Q8Linear(*blocks)
     return out
 
 
@@ -112,25 +112,27 @@ KEPT = (*FOUR_BIT, *EIGHT_BIT)
 """Types whose matrices stay quantized: the rest are dequantized to the compute dtype."""
 
 
-def _unpack(gguf: GGUFFile, info) -> tuple[torch.Tensor, ...]:
-    """(codes, scales, offsets) of a 4-bit matrix or (codes, scales) of an 8-bit one."""
+def _unpack(gguf: GGUFFile, info) -> tuple[tuple, tuple[torch.Tensor, ...]]:
+    """(form, blocks): a 4-bit matrix's (codes, scales, offsets) or an 8-bit one's
+    (codes, scales), K-quants' with their super-scales after (their file's bytes); the
+    form tells which parts fuse into one matrix (same layer class, same tensors)."""
     if info.ggml_type in FOUR_BIT:
-        b = unpack_q4(gguf.raw(info.name), info.ggml_type, info.shape)
-        return b.codes, b.scales, b.offsets
-    b8 = unpack_int8(gguf.raw(info.name), info.ggml_type, info.shape)
-    return b8.codes, b8.scales
+        b = unpack_q4(gguf.raw(info.name), info.ggml_type, info.shape, compact=True)
+        supers = () if b.scale_supers is None else (b.scale_supers, b.offset_supers)
+        return (4, len(supers)), (b.codes, b.scales, b.offsets, *supers)
+    b8 = unpack_int8(gguf.raw(info.name), info.ggml_type, info.shape, compact=True)
+    supers = () if b8.scale_supers is None else (b8.scale_supers,)
+    return (8, b8.group, len(supers)), (b8.codes, b8.scales, *supers)
 
 
 def _runs(blocks: list[tuple], names: list[list[str]]) -> list[tuple[list[tuple], list[str]]]:
-    """Consecutive parts of one format (4-bit, or 8-bit with as many scales a row) fused
-    into one matrix each, with their HF names."""
+    """Consecutive parts of one form fused into one matrix each, with their HF names."""
     runs: list[tuple[list[tuple], list[str]]] = []
     last = None
-    for b, part_names in zip(blocks, names, strict=True):
-        key = (len(b), b[1].shape[1] / b[0].shape[1])
-        if key != last:
+    for (form, b), part_names in zip(blocks, names, strict=True):
+        if form != last:
             runs.append(([], []))
-            last = key
+            last = form
         runs[-1][0].append(b)
         runs[-1][1].extend(part_names)
     return runs
@@ -147,7 +149,7 @@ def _run_linear(run: tuple[list[tuple], list[str]], dense, dtype: torch.dtype) -
     dense_copy = None
     if dtype != torch.float32 and dense is not None and all(n in dense for n in names):
         dense_copy = torch.cat([dense[n] for n in names]) if len(names) > 1 else dense[names[0]]
-    if len(blocks[0]) == 2:
+    if blocks[0][0].dtype == torch.int8:
         return Q8Linear.fused(blocks, bias=bias, dense=dense_copy)
     return Q4Linear.fused(blocks, bias=bias, dense=dense_copy)
 
