@@ -333,8 +333,11 @@ struct Scales {
       return scratch;
     } else {
       // exact: an 8-bit integer times a float16 fits float32's 24-bit significand
-      for (int64_t i = 0; i < n; ++i) {
-        scratch[i] = static_cast<float>(p[i]) * static_cast<float>(supers[(at + i) / per_super]);
+      for (int64_t i = 0; i < n;) {  // a super-scale at a time, so the inner loop vectorizes
+        const int64_t super = (at + i) / per_super;
+        const int64_t stop = std::min<int64_t>(n, (super + 1) * per_super - at);
+        const float factor = static_cast<float>(supers[super]);
+        for (; i < stop; ++i) scratch[i] = static_cast<float>(p[i]) * factor;
       }
       return scratch;
     }

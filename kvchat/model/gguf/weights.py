@@ -66,7 +66,10 @@ def quantized_linears(
     dense: dict[str, torch.Tensor] | None,
 ) -> dict[str, Linear]:
     """HF-named `Linear`s for the 4-bit and 8-bit matrices; `dense` (HF names) gives
-    prefill copies and biases."""
+    prefill copies and biases. K-quants keep the file's integer sub-scales in bf16, whose
+    decode rows are bound by memory; float32's are bound by instructions, and there
+    expanding them a row at a time costs more than their bytes save (docs/kernels.md)."""
+    compact = dtype != torch.float32
     arch = gguf.metadata.get("general.architecture")
     permute = arch in PERMUTED_ARCHITECTURES
     groups = _PHI3_GROUPS if arch == "phi3" else _GROUPS
@@ -84,7 +87,7 @@ def quantized_linears(
                 continue
             blocks = []
             for (_, kind), info in zip(parts, infos, strict=True):
-                form, b = _unpack(gguf, info)
+                form, b = _unpack(gguf, info, compact)
                 if permute and kind in heads:
                     b = tuple(undo_llama_cpp_permute(t, heads[kind]) for t in b)
                 blocks.append((form, b))
@@ -103,7 +106,7 @@ def quantized_linears(
     if head is not None and head.ggml_type in EIGHT_BIT:
         # the file's exact weights at 8 bits: a Q6_K head (llama-quantize's choice for
         # Q4_0 and Q4_K_M files) is the largest matrix of a small model
-        _, blocks = _unpack(gguf, head)
+        _, blocks = _unpack(gguf, head, compact)
         out["lm_head"] = Q8Linear(*blocks)
     return out
 
@@ -112,15 +115,16 @@ KEPT = (*FOUR_BIT, *EIGHT_BIT)
 """Types whose matrices stay quantized: the rest are dequantized to the compute dtype."""
 
 
-def _unpack(gguf: GGUFFile, info) -> tuple[tuple, tuple[torch.Tensor, ...]]:
+def _unpack(gguf: GGUFFile, info, compact: bool) -> tuple[tuple, tuple[torch.Tensor, ...]]:
     """(form, blocks): a 4-bit matrix's (codes, scales, offsets) or an 8-bit one's
-    (codes, scales), K-quants' with their super-scales after (their file's bytes); the
-    form tells which parts fuse into one matrix (same layer class, same tensors)."""
+    (codes, scales), K-quants' with their super-scales after (their file's bytes) when
+    `compact`; the form tells which parts fuse into one matrix (same layer class, same
+    tensors)."""
     if info.ggml_type in FOUR_BIT:
-        b = unpack_q4(gguf.raw(info.name), info.ggml_type, info.shape, compact=True)
+        b = unpack_q4(gguf.raw(info.name), info.ggml_type, info.shape, compact=compact)
         supers = () if b.scale_supers is None else (b.scale_supers, b.offset_supers)
         return (4, len(supers)), (b.codes, b.scales, b.offsets, *supers)
-    b8 = unpack_int8(gguf.raw(info.name), info.ggml_type, info.shape, compact=True)
+    b8 = unpack_int8(gguf.raw(info.name), info.ggml_type, info.shape, compact=compact)
     supers = () if b8.scale_supers is None else (b8.scale_supers,)
     return (8, b8.group, len(supers)), (b8.codes, b8.scales, *supers)
 
