@@ -32,6 +32,7 @@ from kvchat.model.decoder_ops import (
 )
 from kvchat.model.gemma3_layer import Gemma3Layer, gemma_multiplier, gemma_rms_norm
 from kvchat.model.linear import Linear, bounded_kernel_caches, make_linear, slot_names
+from kvchat.model.read_ahead import read_ahead
 from kvchat.model.rope import RotaryTable, longrope_set
 from kvchat.model.sparse_moe import SparseMoE
 
@@ -157,6 +158,7 @@ class Transformer:
                 linear.prepack()  # after the loader cached any quantized layers (see `Linear`)
         if self.device.type == "cpu":
             self._gather_into_huge_pages()
+            read_ahead(self.embed)  # where it is mapped from a file: see `read_ahead`
         self.max_positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryTable(config, self.max_positions, self.dtype, self.device)
         self.rotary_set = longrope_set(config, self.max_positions)
