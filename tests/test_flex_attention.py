@@ -9,6 +9,8 @@ are compiled once per test session.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 import torch._dynamo.utils
@@ -26,6 +28,8 @@ from kvchat.errors import UsageError
 from kvchat.model.batch import ForwardBatch
 from kvchat.model.loader import load_model
 from tests.engine_helpers import Collector, small_engine
+from tests.parity_helpers import random_ids
+from tests.tiny_models import write_tiny_model
 
 # the tiny models' attention: 4 query heads over 2 kv heads of 16
 LAYERS, PAGES, PAGE, HKV, GROUP, D = 2, 64, 16, 2, 2, 16
@@ -56,9 +60,11 @@ def random_store(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Ten
     return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
 
 
-def run_both(runs, starts, page_lists, dtype=torch.float32, seed=0):
+def run_both(runs, starts, page_lists, dtype=torch.float32, seed=0, window=None, sinks=False):
     """One forward's attention, every layer, through flex and through SDPA: (flex, sdpa,
-    the flex store after, the sdpa store after)."""
+    the flex store after, the sdpa store after). With a `window`, the first layer attends
+    within it and the second to the whole context (as Gemma 3's and gpt-oss's layers mix);
+    with `sinks`, every layer has a random sink logit per query head (gpt-oss's)."""
     k_all, v_all = random_store(dtype, seed)
     batch = ForwardBatch.from_runs(runs, starts)
     g = torch.Generator().manual_seed(seed + 1)
@@ -66,6 +72,8 @@ def run_both(runs, starts, page_lists, dtype=torch.float32, seed=0):
     q = torch.randn(T, HKV * GROUP, D, generator=g).to(dtype)
     k = torch.randn(T, HKV, D, generator=g).to(dtype)
     v = torch.randn(T, HKV, D, generator=g).to(dtype)
+    sink_logits = 2 * torch.randn(HKV * GROUP, generator=g).to(dtype) if sinks else None
+    per_layer = [dict(window=window, sinks=sink_logits), dict(sinks=sink_logits)]
     flex = FlexPagedAttention(k_all.clone(), v_all.clone())
     sdpa = PagedAttention(k_all.clone(), v_all.clone())
     sdpa.native_enabled = False
@@ -73,7 +81,7 @@ def run_both(runs, starts, page_lists, dtype=torch.float32, seed=0):
     outs = []
     for attention in (flex, sdpa, native):
         attention.prepare(batch, page_lists)
-        outs.append(torch.stack([attention(layer, q, k, v) for layer in range(LAYERS)]))
+        outs.append(torch.stack([attention(i, q, k, v, **per_layer[i]) for i in range(LAYERS)]))
     if native.uses_native():
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert torch.allclose(outs[0].float(), outs[2].float(), atol=tol, rtol=tol)
@@ -114,17 +122,81 @@ def test_flex_in_bfloat16_is_within_its_rounding_of_sdpa() -> None:
     assert torch.allclose(flex.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
 
 
+WINDOWS = (5, 20)  # within one page, across two: neither a multiple of the page size
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_windowed_layer_equals_sdpa_and_the_native_kernel(case, window) -> None:
+    """Each case's contexts outgrow the window (some sequences' do, beside others that fit
+    it): decodes, chunks after a prefix, first chunks longer than the window."""
+    runs, starts, page_lists = CASES[case]
+    flex, sdpa, flex_store, sdpa_store = run_both(runs, starts, page_lists, window=window)
+    assert torch.allclose(flex, sdpa, atol=1e-5, rtol=1e-5), (flex - sdpa).abs().max()
+    assert torch.equal(flex_store.k_all, sdpa_store.k_all)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sinks_equal_sdpa_and_the_native_kernel(case) -> None:
+    """A sink logit per query head in every layer's softmax, the first layer windowed. On
+    a CPU torch's FlexAttention computes them uncompiled (its compiled CPU kernel returns
+    no log-sum-exp), with the same blocks, mask and rescaling a GPU's compiled one gets."""
+    runs, starts, page_lists = CASES[case]
+    flex, sdpa, _, _ = run_both(runs, starts, page_lists, window=20, sinks=True)
+    assert torch.allclose(flex, sdpa, atol=1e-5, rtol=1e-5), (flex - sdpa).abs().max()
+
+
+def test_a_window_and_sinks_in_bfloat16_are_within_its_rounding_of_sdpa() -> None:
+    runs, starts, page_lists = CASES["chunks of mixed lengths beside decodes"]
+    for window, sinks in ((20, False), (5, True)):
+        flex, sdpa, _, _ = run_both(
+            runs, starts, page_lists, dtype=torch.bfloat16, seed=3, window=window, sinks=sinks
+        )
+        assert torch.allclose(flex.float(), sdpa.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_sinks_change_the_output() -> None:
+    """The sinks case above is not passing by accident: without them flex's output differs."""
+    runs, starts, page_lists = CASES["a chunk after a cached prefix, mid-page"]
+    with_sinks, _, _, _ = run_both(runs, starts, page_lists, sinks=True)
+    without, _, _, _ = run_both(runs, starts, page_lists)
+    assert (with_sinks - without).abs().max() > 1e-2
+
+
+def test_a_windowed_decode_reads_only_the_pages_its_window_reaches() -> None:
+    """A decode's blocks in a window of 21 list the pages of its last 21 positions and no
+    other; they are rebuilt only when the window's start moves to another page (or to a
+    page's first slot, which makes that page whole) or the context spills into a new page."""
+    flex = FlexPagedAttention(*random_store(torch.float32, 0))
+    pages = [20 + j for j in range(8)]  # logical page j at physical page 20 + j
+    window, keys = 21, []
+    for total in range(80, 128):
+        flex.prepare(ForwardBatch.from_runs([[1]], [total - 1]), [pages])
+        mask = flex.block_mask(window)
+        partial = mask.kv_indices[0, 0, 0, : mask.kv_num_blocks[0, 0, 0]].tolist()
+        full = mask.full_kv_indices[0, 0, 0, : mask.full_kv_num_blocks[0, 0, 0]].tolist()
+        reached = {20 + p // PAGE for p in range(total - window, total)}
+        assert sorted(partial + full) == sorted(reached), total
+        first = total - window
+        keys.append((first // PAGE, first % PAGE == 0, (total + PAGE - 1) // PAGE))
+    changes = sum(a != b for a, b in pairwise(keys))
+    assert flex.blocks_built == 1 + changes < len(keys) // 2
+
+
 def test_the_uncompiled_fallback_gives_the_same_result(monkeypatch) -> None:
     """Past torch's recompile limit FlexAttention runs uncompiled, reading every page of the
-    store through the mask: the mask alone must keep other sequences' pages out."""
+    store through the mask: the mask alone must keep other sequences' pages, and the
+    positions before a window, out."""
     from kvchat.engine.attention import flex_attention
 
     runs, starts, page_lists = CASES["chunks of mixed lengths beside decodes"]
-    compiled, sdpa, _, _ = run_both(runs, starts, page_lists)
-    monkeypatch.setattr(flex_attention, "_compiled_flex", lambda: flex_attention.flex_attention)
-    eager, _, _, _ = run_both(runs, starts, page_lists)
-    assert torch.allclose(eager, sdpa, atol=1e-5, rtol=1e-5)
-    assert torch.allclose(eager, compiled, atol=1e-5, rtol=1e-5)
+    for window, sinks in ((None, False), (20, True)):
+        compiled, sdpa, _, _ = run_both(runs, starts, page_lists, window=window, sinks=sinks)
+        with monkeypatch.context() as patch:
+            patch.setattr(flex_attention, "_compiled_flex", lambda: flex_attention.flex_attention)
+            eager, _, _, _ = run_both(runs, starts, page_lists, window=window, sinks=sinks)
+        assert torch.allclose(eager, sdpa, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(eager, compiled, atol=1e-5, rtol=1e-5)
 
 
 def test_flex_equals_attention_written_out() -> None:
@@ -153,6 +225,7 @@ def test_decode_steps_reuse_their_blocks_until_a_page_fills() -> None:
     for step in range(20):  # contexts 30..49 and 17..36
         batch = ForwardBatch.from_runs([[1], [2]], [29 + step, 16 + step])
         flex.prepare(batch, pages)
+        flex.block_mask()  # what the step's first layer builds or reuses
         built.append(flex.blocks_built)
     # built at the first step, then only when a sequence's context spills into a new
     # page: the first at 33 tokens (step 3) and 49 (step 19), the second at 33 (step 16)
@@ -161,7 +234,8 @@ def test_decode_steps_reuse_their_blocks_until_a_page_fills() -> None:
 
 def test_mixed_batch_sizes_and_chunk_lengths_compile_a_bounded_number_of_graphs() -> None:
     """A switch-style run: chunks of every length from 1 to 200 tokens, batches of 1 to 9
-    sequences. Past torch's recompile limit FlexAttention would silently run uncompiled."""
+    sequences, layers with and without a window (of a different size each step). Past
+    torch's recompile limit FlexAttention would silently run uncompiled."""
     k_all, v_all = random_store(torch.float32, 0)
     flex = FlexPagedAttention(k_all, v_all)
     q = torch.randn(300, HKV * GROUP, D)
@@ -174,7 +248,11 @@ def test_mixed_batch_sizes_and_chunk_lengths_compile_a_bounded_number_of_graphs(
         page_lists = [list(range(13))] + [[20 + j] for j in range(1, b)]
         batch = ForwardBatch.from_runs(runs, starts)
         flex.prepare(batch, page_lists)
-        flex(0, q[: batch.num_tokens], k[: batch.num_tokens], k[: batch.num_tokens])
+        args = (q[: batch.num_tokens], k[: batch.num_tokens], k[: batch.num_tokens])
+        flex(0, *args)
+        full = compiled_graphs()
+        flex(1, *args, window=5 + i)  # every window size runs the graph of full attention
+        assert compiled_graphs() == full
         if before is None:
             before = compiled_graphs()  # the first step may compile (once a session)
     assert compiled_graphs() - before <= 1  # at most the other of decode/chunk graphs
@@ -224,6 +302,37 @@ def test_engine_with_flex_matches_the_native_engine_in_float32(tiny) -> None:
             return [*first, *greedy(engine, [follow_up], 20)]
 
     assert run("flex") == run("native")
+
+
+def test_a_windowed_models_greedy_output_with_flex_equals_native_in_float32(tmp_path) -> None:
+    """Gemma 3 (five windowed layers of six, windows of 16 tokens): prompts inside and
+    beyond the window decoding side by side after chunked prefill, then a follow-up whose
+    prefix comes from the cache. The store has the tiny cases' 64 pages (their graphs)."""
+    model = load_model(str(write_tiny_model(tmp_path, "gemma3_text")), dtype="float32",
+                       device="cpu")  # fmt: skip
+    layers = model.config.num_layers
+    prompts = [random_ids(n, seed=n, low=3).tolist() for n in (9, 30, 61)]
+
+    def run(attention: str) -> list:
+        with small_engine(
+            model,
+            attention=attention,
+            step_token_budget=24,
+            device_cache_bytes=TINY_CACHE // LAYERS * layers,
+            host_cache_bytes=0,
+        ) as engine:
+            first = greedy(engine, prompts, 30)
+            follow_up = [*prompts[1], *first[1], 11, 12, 13]
+            return [*first, *greedy(engine, [follow_up], 20)]
+
+    assert run("flex") == run("native")
+
+
+def test_sinks_are_computed_by_flex_on_cuda_and_refused_on_a_cpu_naming_what_runs() -> None:
+    assert resolve_attention("flex", torch.device("cuda"), sinks=True) == "flex"
+    assert resolve_attention(None, torch.device("cuda"), sinks=True) == "flex"
+    with pytest.raises(UsageError, match="--attention native"):
+        resolve_attention("flex", torch.device("cpu"), sinks=True)
 
 
 def test_flex_logits_match_transformers(tiny, tiny_llama_dir) -> None:

@@ -11,10 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvchat.engine.config import EngineConfig
-from kvchat.engine.engine import Engine
 from kvchat.engine.request import GenerationRequest, SamplingParams
-from kvchat.errors import ModelLoadError, UsageError
+from kvchat.errors import ModelLoadError
 from kvchat.model.config import ModelConfig
 from kvchat.model.loader import load_model
 from tests.engine_helpers import Collector, generate, small_engine
@@ -76,7 +74,7 @@ def test_bf16_error_within_transformers_own(gemma_folder):
     assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
 
 
-@pytest.mark.parametrize("attention", ["native", "sdpa"])
+@pytest.mark.parametrize("attention", ["native", "sdpa", "flex"])
 def test_greedy_text_through_the_engine_equals_transformers(gemma_folder, attention):
     """A prompt three windows long, then 24 tokens decoded in 8-token prefill chunks and
     steps: every path of the engine attends within the window as transformers does."""
@@ -110,12 +108,6 @@ def test_a_batch_of_sequences_equals_each_alone(gemma_folder):
             )
         together = [list(c.wait().generated_ids) for c in collectors]
     assert together == alone
-
-
-def test_flex_attention_is_refused_with_what_to_use(gemma_folder):
-    model = load_model(str(gemma_folder), dtype="float32", device="cpu")
-    with pytest.raises(UsageError, match="--attention sdpa"):
-        Engine(model, EngineConfig(attention="flex"), start=False)
 
 
 def test_attention_soft_capping_is_refused(tmp_path):

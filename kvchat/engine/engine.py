@@ -87,7 +87,7 @@ class Engine:
             self.config.attention,
             self.transformer.device,
             self.config.kv_format,
-            windowed=mc.layer_windows is not None or mc.attention_sinks,
+            sinks=mc.attention_sinks,
         )
         self.max_context = min(
             mc.max_position_embeddings,

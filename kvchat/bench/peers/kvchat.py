@@ -250,10 +250,7 @@ class KvchatPeer(SpeedMeasured):
         """`disk_scratch`: a folder for disk tiers; each engine then gets a fresh one in it."""
         self.name = name
         self.attention = resolve_attention(
-            attention,
-            model.transformer.device,
-            kv_format,
-            windowed=model.config.layer_windows is not None or model.config.attention_sinks,
+            attention, model.transformer.device, kv_format, sinks=model.config.attention_sinks
         )
         self.disk_scratch = disk_scratch
         self._disk_dir: Path | None = None

@@ -27,20 +27,14 @@ def default_attention(device: torch.device) -> str:
 
 
 def resolve_attention(
-    choice: str | None,
-    device: torch.device,
-    kv_format: str = "native",
-    *,
-    windowed: bool = False,
+    choice: str | None, device: torch.device, kv_format: str = "native", *, sinks: bool = False
 ) -> str:
     """The attention an engine on `device` runs for `choice` (None: the device's default);
     a `UsageError` saying what to use instead when the device, the KV format or the model
-    (`windowed`: it has sliding-window layers or sinks, which flex does not compute)
-    cannot run it."""
+    (`sinks`: its softmax has attention sinks, which flex computes on CUDA only) cannot
+    run it."""
     if choice is None:
         choice = default_attention(device)
-        if windowed and choice == "flex":
-            choice = "sdpa"
     if choice not in ATTENTION_CHOICES:
         raise UsageError(
             f"--attention must be one of {', '.join(ATTENTION_CHOICES)}, not {choice!r}."
@@ -48,11 +42,11 @@ def resolve_attention(
     if choice == "native" and device.type != "cpu":
         raise UsageError(NATIVE_ON_CUDA)
     if choice == "flex":
-        from kvchat.engine.attention.flex_attention import WINDOWED_MODELS, check_kv_format
+        from kvchat.engine.attention.flex_attention import FLEX_SINKS_ON_CPU, check_kv_format
 
-        if windowed:
-            raise UsageError(WINDOWED_MODELS)
         check_kv_format(kv_format)
+        if sinks and device.type == "cpu":
+            raise UsageError(FLEX_SINKS_ON_CPU)
     return choice
 
 
