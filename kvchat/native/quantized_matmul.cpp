@@ -312,6 +312,7 @@ void buffered_tile(const float* w, const float* x, int64_t k, int64_t rows, floa
 // decode step streams them with the codes). `values` is null where there are none.
 template <typename S>
 struct Scales {
+  using Value = S;
   const S* values = nullptr;
   const c10::Half* supers = nullptr;
   int64_t per_super = 1;  // values a super-scale covers: K / 256 divides a row's count
@@ -785,23 +786,30 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
   if (offsets != nullptr) {
     TORCH_CHECK(offsets->scalar_type() == scale_type, op, ": offsets typed like the scales");
   }
-  const bool bf16_dots =
-      kBf16Dots && !std::is_void_v<B> && x.scalar_type() == at::kBFloat16 && m <= kFusedRows;
-  if (bf16_dots) {
-    auto run = [&](auto scale_tag) {
+  // fn(scales, offsets) with both read as the scales' dtype says (see `Scales`)
+  auto with_scales = [&](auto fn) {
+    auto read = [&](auto scale_tag) {
       using S = decltype(scale_tag);
       const int64_t groups = k / kGroup;
       const Scales<S> sc = scales_of<S>(scales, scale_supers, n, k, groups * F::kScales, op, "scales");
       const Scales<S> off = offsets != nullptr
                                 ? scales_of<S>(*offsets, offset_supers, n, k, groups, op, "offsets")
                                 : Scales<S>{};
+      return fn(sc, off);
+    };
+    if (scale_type == at::kFloat) return read(float{});
+    if (scale_type == at::kHalf) return read(c10::Half{});
+    if (scale_type == at::kChar) return read(int8_t{});
+    return read(uint8_t{});
+  };
+  const bool bf16_dots =
+      kBf16Dots && !std::is_void_v<B> && x.scalar_type() == at::kBFloat16 && m <= kFusedRows;
+  if (bf16_dots) {
+    return with_scales([&](const auto& sc, const auto& off) {
+      using S = typename std::decay_t<decltype(sc)>::Value;
       if constexpr (!std::is_void_v<B>) return bf16_matmul<B, S>(x, codes, sc, off);
       return at::Tensor();
-    };
-    if (scale_type == at::kFloat) return run(float{});
-    if (scale_type == at::kHalf) return run(c10::Half{});
-    if (scale_type == at::kChar) return run(int8_t{});
-    return run(uint8_t{});
+    });
   }
   const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);
   at::Tensor out = at::empty({m, n}, xf.options());
@@ -814,13 +822,8 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
     xsum.resize(m * (k / kGroup));
     if (F::kOffset) group_sums(xp, m, k, xsum.data());
   }
-  auto run = [&](auto scale_tag) {
-    using S = decltype(scale_tag);
-    const int64_t groups = k / kGroup;
-    const Scales<S> sc = scales_of<S>(scales, scale_supers, n, k, groups * F::kScales, op, "scales");
-    const Scales<S> off = offsets != nullptr
-                              ? scales_of<S>(*offsets, offset_supers, n, k, groups, op, "offsets")
-                              : Scales<S>{};
+  with_scales([&](const auto& sc, const auto& off) {
+    using S = typename std::decay_t<decltype(sc)>::Value;
     auto body = [&](int64_t begin, int64_t end) {
       matmul_rows<F, S>(xp, xsum.data(), m, k, cp, sc, off, begin, end, n, op_out);
     };
@@ -831,16 +834,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& codes,
     } else {
       at::parallel_for(0, n, grain, body);
     }
-  };
-  if (scale_type == at::kFloat) {
-    run(float{});
-  } else if (scale_type == at::kHalf) {
-    run(c10::Half{});
-  } else if (scale_type == at::kChar) {
-    run(int8_t{});
-  } else {
-    run(uint8_t{});
-  }
+  });
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
