@@ -11,7 +11,7 @@ import torch
 
 from kvchat.model.gguf.dequant import dequantize, unpack_int8, unpack_q4
 from kvchat.model.gguf.file import GGMLType
-from kvchat.model.quantized_linear import Q4Linear, Q8Linear
+from kvchat.model.quantized_linear import Q4Linear, Q8Linear, expanded
 from kvchat.native import build as native_build
 
 pytestmark = pytest.mark.usefixtures("kernel")
@@ -151,10 +151,7 @@ def test_long_rows_are_tiled_along_k_too(rows):
 def _column_scales(layer) -> torch.Tensor:
     """Each weight's scale magnitude, [N, K]: what bounds the error of the bf16
     dot-product path, whose codes carry a bias of up to 160 scales."""
-    scales = layer.scales.float()
-    supers = getattr(layer, "scale_supers", None)
-    if supers is not None:  # a K-quant's sub-scales, each times its 256 columns' super-scale
-        scales = scales * supers.float().repeat_interleave(scales.shape[1] // supers.shape[1], 1)
+    scales = expanded(layer.scales, getattr(layer, "scale_supers", None))
     per = layer.in_features // scales.shape[1]
     return scales.abs().repeat_interleave(per, dim=1)
 
