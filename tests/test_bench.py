@@ -309,3 +309,18 @@ def test_kvchat_is_warmed_up_before_the_first_measured_conversation(tmp_path, mo
         "warm kvchat+disk",
         "chat kvchat+disk",
     ]
+
+
+def test_the_dense_comparison_is_left_out_where_it_would_pass_the_memory_budget():
+    from types import SimpleNamespace
+
+    import torch
+
+    from kvchat.bench.runner import PROCESS_MEMORY_BUDGET, _dense_too_big
+
+    cpu, options = torch.device("cpu"), SimpleNamespace(device_cache=1 << 20, host_cache=0)
+    assert _dense_too_big(1 << 20, cpu, options) is None
+    why = _dense_too_big(PROCESS_MEMORY_BUDGET, cpu, options)
+    assert why is not None and "dense weights" in why and "12.0GiB it keeps to" in why
+    # on a GPU the dense weights are not in the bench's own process
+    assert _dense_too_big(PROCESS_MEMORY_BUDGET, torch.device("cuda"), options) is None

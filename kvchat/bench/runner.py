@@ -26,6 +26,7 @@ from kvchat.bench.machine import (
     machine_info,
     weight_bytes_per_token,
 )
+from kvchat.bench.peak_memory import own_peak
 from kvchat.bench.peers.base import PeerUnavailable
 from kvchat.bench.peers.kvchat import KvchatPeer
 from kvchat.bench.provenance import (
@@ -40,12 +41,16 @@ from kvchat.bench.restart_phase import model_load
 from kvchat.bench.workloads import WORKLOAD_NAMES, WORKLOADS
 from kvchat.bench.workloads.context import DISK_NAME, BenchContext
 from kvchat.bench.workloads.plan import make_plan
+from kvchat.engine.config import default_cache_bytes
 from kvchat.errors import KvchatError, UsageError
 from kvchat.model.device import dtype_name
 from kvchat.paths import app_paths
 from kvchat.units import format_size
 
 DENSE_NAME = "kvchat-dense"
+# What the bench keeps its own process under where it chooses: the dense comparison
+# model is left out when loading it would pass this (`_dense_too_big`).
+PROCESS_MEMORY_BUDGET = 12 * 2**30
 PEER_NAMES = (
     "transformers-naive",
     "transformers-cache",
@@ -210,6 +215,27 @@ def _load(options, weights: str, progress):
     )
 
 
+def _dense_too_big(dense_bytes: int, device, options) -> str | None:
+    """Why the dense-weights comparison is left out, or None when it fits: its weights
+    and two engines' caches (its own and kvchat's) beside what the process already took
+    must stay under `PROCESS_MEMORY_BUDGET`. A 1B-class model's dense copy beside its
+    4-bit one is where this bites; the comparison with llama.cpp is the one wanted there."""
+    if device.type != "cpu":  # the weights then live on the GPU, not in this process
+        return None
+    device_default, host_default = default_cache_bytes(device)
+    caches = (options.device_cache or device_default) + (
+        host_default if options.host_cache is None else options.host_cache
+    )
+    need = own_peak() + dense_bytes + 2 * caches
+    if need <= PROCESS_MEMORY_BUDGET:
+        return None
+    return (
+        f"its dense weights ({format_size(dense_bytes)}) beside the quantized model would "
+        f"take the bench's process to about {format_size(need)}, over the "
+        f"{format_size(PROCESS_MEMORY_BUDGET)} it keeps to"
+    )
+
+
 def _kvchat_peer(
     model, options, name: str, weights: str, disk_scratch: Path | None = None
 ) -> KvchatPeer:
@@ -313,17 +339,21 @@ def main(args) -> int:
     model = _load(options, options.weights, progress)
     plan = make_plan(quick=args.quick, repeats=args.repeats, context_length=model.context_length)
     kvchat = _kvchat_peer(model, options, "kvchat", options.weights)
-    variants = {}
+    variants, dense_left_out = {}, None
     dense = dense_weight_bytes_per_token(model.config, model.dtype)
     if "speed" in workloads and weight_bytes_per_token(model.transformer) < 0.75 * dense:
-        progress("Loading kvchat with dense weights too, for the same-dtype speed comparison...")
-        dense_model = _load(options, "bf16", progress)
-        variants[DENSE_NAME] = _kvchat_peer(dense_model, options, DENSE_NAME, "dense")
+        dense_left_out = _dense_too_big(dense, model.device, options)
+        if dense_left_out is None:
+            progress("Loading kvchat with dense weights too, for the same-dtype comparison...")
+            dense_model = _load(options, "bf16", progress)
+            variants[DENSE_NAME] = _kvchat_peer(dense_model, options, DENSE_NAME, "dense")
     servers = {
         "llama-server": getattr(args, "llama_server", None),
         "vllm": getattr(args, "vllm_python", None),
     }
     chat_peers, speed_peers, skipped = load_peers(peer_names, model, progress, servers)
+    if dense_left_out is not None:
+        skipped[DENSE_NAME] = dense_left_out
     remote = None
     if getattr(args, "engine", None):  # on the command line only: a settings file's is for chat
         remote = remote_options(args, read_settings(progress))
