@@ -84,10 +84,12 @@ def tiny_version(shape: ModelShape) -> ModelShape:
              "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
     if "head_dim" in shape.config:
         small["head_dim"] = 16
+    if "moe_intermediate_size" in shape.config:  # the expert count and top k stay real
+        small["moe_intermediate_size"] = 32
     return dataclasses.replace(shape, name=f"tiny-{shape.name}", config={**shape.config, **small})
 
 
-@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-1.5b", "gemma-3-1b"])
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-1.5b", "gemma-3-1b", "qwen3-30b-a3b-2l"])
 def test_every_real_shape_converts_with_the_default_models_tokenizer(
     name, default_gguf_path, tmp_path
 ):
@@ -142,11 +144,13 @@ def test_a_shape_is_refused_when_the_disk_is_short(monkeypatch, tmp_path):
 
 def test_the_real_shapes_count_their_weights_as_the_models_do():
     """Llama 3.2 1B has 1.24 billion weights, Qwen2.5 1.5B 1.54 billion, Gemma 3 1B 1.0
-    billion: the configs are the models' own."""
+    billion: the configs are the models' own. Qwen3-30B-A3B's embeddings and head (0.62
+    billion) and 2 of its 48 layers (0.62 billion each) make 1.87 billion."""
     counts = {name: model_maker.parameter_count(SHAPES[name]) for name in SHAPES}
     assert round(counts["llama-3.2-1b"] / 1e9, 2) == 1.24
     assert round(counts["qwen2.5-1.5b"] / 1e9, 2) == 1.54
     assert round(counts["gemma-3-1b"] / 1e9, 1) == 1.0
+    assert round(counts["qwen3-30b-a3b-2l"] / 1e9, 2) == 1.87
 
 
 @pytest.mark.parametrize(
