@@ -117,6 +117,47 @@ def test_every_real_shape_converts_with_the_default_models_tokenizer(
     assert (model.config.hidden_size, model.config.num_layers) == (64, 2)
 
 
+def test_the_moe_shape_keeps_its_experts_4_bit_and_transformers_reads_kvchats_folder(
+    default_gguf_path, quantizer_server
+):
+    """The Qwen3-MoE shape, made small as the real one is made: kvchat keeps the Q4_0
+    file's experts 4-bit, a layer per expert, and the transformers peer, whose own GGUF
+    loader would build experts of its default width routed without renormalizing, reads
+    the folder kvchat converted the file to: the experts' width and routing of the file,
+    and in float32 kvchat's logits (the same weights, dequantized once)."""
+    import torch
+
+    from kvchat.bench.peers.hf_model import HfModel
+    from kvchat.model.loader import load_model
+    from tests.parity_helpers import kvchat_logits, rel_err
+
+    shape = tiny_version(SHAPES["qwen3-30b-a3b-2l"])
+    made = model_maker.make_shape(
+        shape,
+        app_paths().cache_dir,
+        default_gguf_path,
+        lambda _: None,
+        llama_server=str(quantizer_server),
+        tools_cache=TEST_CACHE,
+    )
+    model = load_model(str(made.gguf("Q4_0")), dtype="float32", device="cpu")
+    experts = model.transformer.layers[0].experts
+    assert len(experts.linears) == 128 and experts.gate_up is None
+    assert {type(linear).__name__ for pair in experts.linears for linear in pair} == {"Q4Linear"}
+    hf = HfModel(model)
+    config = hf.model.config
+    assert (config.moe_intermediate_size, config.num_experts_per_tok) == (32, 8)
+    assert config.norm_topk_prob
+    ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs = hf.model(ids[None]).logits[0]
+    assert rel_err(kvchat_logits(model, ids.tolist(), paged=True), theirs) < 1e-5
+    # the file's tokenizer as it is (Qwen2Tokenizer's own pre-tokenizer splits these spaces)
+    chat = [{"role": "user", "content": "Count  2024  apples."}]
+    assert hf.encode_chat(chat) == model.renderer.prompt_ids(chat)
+    hf.close()
+
+
 def test_a_failed_make_leaves_nothing_behind(monkeypatch, tmp_path, default_gguf_path):
     """The random weights are GBs at the real shapes: a converter that fails (or a user's
     Ctrl-C) must not leave them in the cache."""
