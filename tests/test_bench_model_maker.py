@@ -84,10 +84,12 @@ def tiny_version(shape: ModelShape) -> ModelShape:
              "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
     if "head_dim" in shape.config:
         small["head_dim"] = 16
+    if "moe_intermediate_size" in shape.config:  # the expert count and top k stay real
+        small["moe_intermediate_size"] = 32
     return dataclasses.replace(shape, name=f"tiny-{shape.name}", config={**shape.config, **small})
 
 
-@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-1.5b", "gemma-3-1b"])
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-1.5b", "gemma-3-1b", "qwen3-30b-a3b-2l"])
 def test_every_real_shape_converts_with_the_default_models_tokenizer(
     name, default_gguf_path, tmp_path
 ):
@@ -113,6 +115,47 @@ def test_every_real_shape_converts_with_the_default_models_tokenizer(
     model = load_model(str(gguf), dtype="float32", device="cpu")
     assert model.config.model_type == shape.transformers_config().model_type
     assert (model.config.hidden_size, model.config.num_layers) == (64, 2)
+
+
+def test_the_moe_shape_keeps_its_experts_4_bit_and_transformers_reads_kvchats_folder(
+    default_gguf_path, quantizer_server
+):
+    """The Qwen3-MoE shape, made small as the real one is made: kvchat keeps the Q4_0
+    file's experts 4-bit, a layer per expert, and the transformers peer, whose own GGUF
+    loader would build experts of its default width routed without renormalizing, reads
+    the folder kvchat converted the file to: the experts' width and routing of the file,
+    and in float32 kvchat's logits (the same weights, dequantized once)."""
+    import torch
+
+    from kvchat.bench.peers.hf_model import HfModel
+    from kvchat.model.loader import load_model
+    from tests.parity_helpers import kvchat_logits, rel_err
+
+    shape = tiny_version(SHAPES["qwen3-30b-a3b-2l"])
+    made = model_maker.make_shape(
+        shape,
+        app_paths().cache_dir,
+        default_gguf_path,
+        lambda _: None,
+        llama_server=str(quantizer_server),
+        tools_cache=TEST_CACHE,
+    )
+    model = load_model(str(made.gguf("Q4_0")), dtype="float32", device="cpu")
+    experts = model.transformer.layers[0].experts
+    assert len(experts.linears) == 128 and experts.gate_up is None
+    assert {type(linear).__name__ for pair in experts.linears for linear in pair} == {"Q4Linear"}
+    hf = HfModel(model)
+    config = hf.model.config
+    assert (config.moe_intermediate_size, config.num_experts_per_tok) == (32, 8)
+    assert config.norm_topk_prob
+    ids = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        theirs = hf.model(ids[None]).logits[0]
+    assert rel_err(kvchat_logits(model, ids.tolist(), paged=True), theirs) < 1e-5
+    # the file's tokenizer as it is (Qwen2Tokenizer's own pre-tokenizer splits these spaces)
+    chat = [{"role": "user", "content": "Count  2024  apples."}]
+    assert hf.encode_chat(chat) == model.renderer.prompt_ids(chat)
+    hf.close()
 
 
 def test_a_failed_make_leaves_nothing_behind(monkeypatch, tmp_path, default_gguf_path):
@@ -142,11 +185,13 @@ def test_a_shape_is_refused_when_the_disk_is_short(monkeypatch, tmp_path):
 
 def test_the_real_shapes_count_their_weights_as_the_models_do():
     """Llama 3.2 1B has 1.24 billion weights, Qwen2.5 1.5B 1.54 billion, Gemma 3 1B 1.0
-    billion: the configs are the models' own."""
+    billion: the configs are the models' own. Qwen3-30B-A3B's embeddings and head (0.62
+    billion) and 2 of its 48 layers (0.62 billion each) make 1.87 billion."""
     counts = {name: model_maker.parameter_count(SHAPES[name]) for name in SHAPES}
     assert round(counts["llama-3.2-1b"] / 1e9, 2) == 1.24
     assert round(counts["qwen2.5-1.5b"] / 1e9, 2) == 1.54
     assert round(counts["gemma-3-1b"] / 1e9, 1) == 1.0
+    assert round(counts["qwen3-30b-a3b-2l"] / 1e9, 2) == 1.87
 
 
 @pytest.mark.parametrize(

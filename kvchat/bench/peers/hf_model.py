@@ -2,7 +2,10 @@
 
 The same weights kvchat runs, at the same dtype: a Hugging Face folder as is, the
 default model straight from its GGUF (`from_pretrained(folder, gguf_file=...)`,
-which needs the `gguf` and `accelerate` packages). Generation is greedy with
+which needs the `gguf` and `accelerate` packages). A GGUF whose architecture
+transformers' own GGUF loader misreads (`FROM_KVCHAT_FOLDER`) is read from the folder
+kvchat converted it to, the weights kvchat-dense runs, through a view of that folder
+transformers can open (`transformers_view`). Generation is greedy with
 end-of-sequence suppressed (`min_new_tokens`), and the first token is timed by
 a streamer hook, which `generate` calls once with the prompt and then once per
 new token. This file also measures transformers' speed (prefill of the last
@@ -11,6 +14,8 @@ token's logits, batch-1 decode) and its batched `generate` for W2.
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 import warnings
 from collections.abc import Sequence
@@ -23,6 +28,11 @@ from kvchat.bench.peers.base import BatchResult, PeerUnavailable, SpeedMeasured
 from kvchat.model.device import dtype_name
 
 INSTALL_HINT = "install the bench extra: pip install 'kvchat[bench]'"
+# GGUF architectures transformers' GGUF loader reads wrongly: its qwen3moe config takes
+# neither the experts' width (`expert_feed_forward_length`) nor llama.cpp's renormalized
+# routing, so it builds experts of its default width (768) that route unnormalized
+FROM_KVCHAT_FOLDER = ("qwen3moe",)
+VIEW_NAME = "transformers"  # the view's folder, inside kvchat's converted folder
 
 
 class FirstTokenClock:
@@ -59,7 +69,12 @@ class HfModel(SpeedMeasured):
         source = Path(kvchat_model.source)
         kw: dict[str, object] = {}
         folder = source
-        if source.is_file():  # a GGUF: transformers dequantizes it itself
+        if source.is_file() and _gguf_architecture(source) in FROM_KVCHAT_FOLDER:
+            try:
+                folder = transformers_view(Path(kvchat_model.folder), self.dtype)
+            except OSError as exc:
+                raise PeerUnavailable(f"no folder for transformers beside {source}: {exc}") from exc
+        elif source.is_file():  # a GGUF: transformers dequantizes it itself
             folder, kw = source.parent, {"gguf_file": source.name}
         progress(f"Loading transformers ({dtype_name(self.dtype)}) from {source.name}...")
         try:
@@ -172,6 +187,36 @@ class HfModel(SpeedMeasured):
 
     def close(self) -> None:
         self.model = None
+
+
+def transformers_view(converted: Path, dtype: torch.dtype) -> Path:
+    """A folder transformers opens as a model of kvchat's converted GGUF `converted`:
+    its config and tokenizer, and its weights of `dtype` linked as `model.safetensors`
+    (kvchat names them by dtype, which transformers does not look for), so no second copy
+    of the weights is written. The tokenizer is declared a plain fast tokenizer: by the
+    model type transformers reads a qwen3_moe folder's as `Qwen2Tokenizer`, which puts
+    Qwen's pre-tokenizer in place of the file's and splits some text differently (runs
+    of spaces before digits)."""
+    weights = converted / f"model-{dtype_name(dtype)}.safetensors"
+    if not weights.exists():
+        raise PeerUnavailable(f"kvchat's converted folder {converted} has no {weights.name}")
+    view = converted / VIEW_NAME
+    view.mkdir(exist_ok=True)
+    shutil.copyfile(converted / "config.json", view / "config.json")
+    shutil.copyfile(converted / "tokenizer.json", view / "tokenizer.json")
+    tokenizer_config = json.loads((converted / "tokenizer_config.json").read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    (view / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    link = view / "model.safetensors"
+    link.unlink(missing_ok=True)
+    link.symlink_to(Path("..") / weights.name)
+    return view
+
+
+def _gguf_architecture(path: Path) -> str | None:
+    from kvchat.model.gguf.file import GGUFFile
+
+    return GGUFFile.open(path).metadata.get("general.architecture")  # type: ignore[return-value]
 
 
 def _sync(device: torch.device) -> None:
