@@ -216,7 +216,8 @@ def transformers_view(converted: Path, dtype: torch.dtype) -> Path:
 def _gguf_architecture(path: Path) -> str | None:
     from kvchat.model.gguf.file import GGUFFile
 
-    return GGUFFile.open(path).metadata.get("general.architecture")  # type: ignore[return-value]
+    with GGUFFile.open(path) as gguf:
+        return gguf.architecture
 
 
 def _sync(device: torch.device) -> None:
