@@ -409,7 +409,7 @@ def describe_cache(engine) -> str:
     ps = s.page_size
     dev = s.pages.device.capacity
     host = s.pages.host.capacity
-    per_page = engine.store.nbytes() // max(dev, 1)
+    per_page = engine.kv_store_bytes // max(dev, 1)
     disk = s.pages.disk
     disk_text = (
         f"disk tier {format_size(s.disk_bytes.capacity)} at {engine.disk.root} "

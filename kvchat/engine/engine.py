@@ -102,11 +102,16 @@ class Engine:
             busy=lambda: bool(self.scheduler.running or self.scheduler.waiting),
         )
         self.store, self.host_store, self.mover = cache.store, cache.host_store, cache.mover
+        self.window_store = cache.window_store  # the windowed layers', where they are apart
         self.disk: DiskTier | None = cache.disk
         self.table = cache.table
         ps = self.config.page_size
         self.attention = make_attention(
-            self.store, self.attention_kind, max_batch=self.config.max_batch
+            self.store,
+            self.attention_kind,
+            max_batch=self.config.max_batch,
+            window_store=self.window_store,
+            groups=cache.groups,
         )
         if self.transformer.device.type == "cpu":
             native_build.request()  # in the background: torch's kernels serve until it loads
@@ -189,7 +194,13 @@ class Engine:
     def device_cache_mib_for(self, tokens: int) -> int:
         """The smallest --device-cache, in MiB, whose pages hold `tokens` tokens."""
         pages = -(-tokens // self.config.page_size)
-        return -(-pages * self.store.page_bytes() // 2**20)
+        return -(-pages * self.kv_store_bytes // self.store.num_pages // 2**20)
+
+    @property
+    def kv_store_bytes(self) -> int:
+        """Bytes of the device KV stores: the pages' and the windowed layers' slots."""
+        window = self.window_store.nbytes() if self.window_store is not None else 0
+        return self.store.nbytes() + window
 
     def submit(self, request: GenerationRequest, on_event: Callable[[EngineEvent], None]) -> int:
         with self._lock:
@@ -347,6 +358,9 @@ class Engine:
         if touch is None:
             return False
         self.store.touch(*touch)  # outside the lock: submit() never waits for page faults
+        if self.window_store is not None:  # the same share of the windowed layers' slots
+            first, last = (i * self.window_store.num_pages // self.store.num_pages for i in touch)
+            self.window_store.touch(first, last)
         return True
 
     def _out_of_cache_message(self, seq: Sequence) -> str:

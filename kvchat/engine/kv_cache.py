@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from kvchat.engine.cache.page_hash import root_salt
 from kvchat.engine.cache.page_table import PageTable
 from kvchat.engine.config import EngineConfig, default_cache_bytes
+from kvchat.engine.layer_groups import LayerGroups
 from kvchat.engine.tiers.disk_page import DiskPageFormat
 from kvchat.engine.tiers.disk_tier import DiskTier
 from kvchat.engine.tiers.host_tier import HostTier
@@ -26,7 +27,9 @@ from kvchat.model.device import dtype_name
 
 @dataclass(frozen=True)
 class KVCache:
-    store: DeviceKVStore
+    store: DeviceKVStore  # the full-attention layers' (every layer's, unless split)
+    window_store: DeviceKVStore | None  # the windowed layers', where `groups.split`
+    groups: LayerGroups
     host_store: HostKVStore | None
     mover: KVPageMover
     disk: DiskTier | None
@@ -50,13 +53,20 @@ def build_kv_cache(model, config: EngineConfig, context: int, busy: Callable[[],
             f"The device cache ({dev_bytes} bytes) holds fewer than 2 pages of "
             f"{ps} tokens; raise --device-cache or lower --page-size."
         )
-    store = DeviceKVStore(*geometry[:1], num_pages, *geometry[1:], device, kv_format)
+    groups = LayerGroups.of(mc.layer_windows, mc.num_layers)
+    window_store = None
+    if groups.split:
+        rest = (ps, mc.num_kv_heads, mc.head_dim, dtype, device, kv_format)
+        store = DeviceKVStore(len(groups.full), num_pages, *rest)
+        window_store = DeviceKVStore(len(groups.windowed), num_pages, *rest)
+    else:
+        store = DeviceKVStore(*geometry[:1], num_pages, *geometry[1:], device, kv_format)
     host_store = HostKVStore(host_slots, *geometry, device, kv_format) if host_slots else None
     # keys rotated by another of LongRoPE's frequency sets are other keys
     rotary_set = transformer.fit_context(context)
     fingerprint = model.fingerprint + (f"-rope-{rotary_set}" if rotary_set else "")
     salt = root_salt(fingerprint, dtype_name(dtype), kv_format)
-    mover = KVPageMover(store, host_store)
+    mover = KVPageMover(store, host_store, window_store, groups)
     disk = None
     if config.disk_cache_bytes > 0:
         from kvchat.paths import app_paths
@@ -69,4 +79,4 @@ def build_kv_cache(model, config: EngineConfig, context: int, busy: Callable[[],
     table = PageTable(
         num_pages, ps, salt, HostTier(host_slots) if host_slots else None, mover, disk
     )
-    return KVCache(store, host_store, mover, disk, table)
+    return KVCache(store, window_store, groups, host_store, mover, disk, table)

@@ -50,8 +50,15 @@ def resolve_attention(
     return choice
 
 
-def make_attention(store, choice: str, *, max_batch: int = 16):
-    """The `Attention` of a forward pass over a `DeviceKVStore`, for a resolved `choice`."""
+def make_attention(store, choice: str, *, max_batch: int = 16, window_store=None, groups=None):
+    """The `Attention` of a forward pass over a `DeviceKVStore`, for a resolved `choice`;
+    with a `window_store` (the windowed layers', `groups` saying which), over both."""
+    if window_store is not None:
+        from kvchat.engine.attention.grouped_attention import GroupedAttention
+
+        full = make_attention(store, choice, max_batch=max_batch)
+        windowed = make_attention(window_store, choice, max_batch=max_batch)
+        return GroupedAttention(full, windowed, groups)
     if choice == "flex":
         from kvchat.engine.attention.flex_attention import FlexPagedAttention
 

@@ -22,6 +22,7 @@ import contextlib
 
 import torch
 
+from kvchat.engine.layer_groups import LayerGroups
 from kvchat.engine.tiers.copy_stream import CopyStream
 from kvchat.model import huge_pages
 
@@ -201,25 +202,53 @@ class HostKVStore:
 
 
 class KVPageMover:
-    """The page table's `PageMover` over real tensors: one copy per tensor per operation."""
+    """The page table's `PageMover` over real tensors: one copy per tensor per operation.
 
-    def __init__(self, device_store: DeviceKVStore, host_store: HostKVStore | None) -> None:
+    With a windowed store (`layer_groups`), a page's windowed layers live in that store at
+    the page's window slot, or nowhere (`window_slot` None: the window part was let go);
+    the host and disk tiers keep every layer in the model's order, the window part when
+    there is one. The table says which window slot a page has; until it does, a page's
+    slot is its own index (`window_slot_of`).
+    """
+
+    def __init__(
+        self,
+        device_store: DeviceKVStore,
+        host_store: HostKVStore | None,
+        window_store: DeviceKVStore | None = None,
+        groups: LayerGroups | None = None,
+    ) -> None:
         self.device_store = device_store
         self.host_store = host_store
+        self.window_store = window_store
         self._async = device_store.device.type == "cuda" and (
             host_store is None or host_store.pinned
         )
         # host-tier copies on a side stream where there are streams (copy_stream.py)
         self._side = CopyStream(device_store.device) if self._async else None
+        self._full_layers: list[int] | None = None  # model layer of each store layer
+        self._window_layers: list[int] | None = None
+        if window_store is not None:
+            if groups is None or not groups.split:
+                raise ValueError("a windowed store needs the layer groups it holds")
+            self._full_layers = list(groups.full)
+            self._window_layers = list(groups.windowed)
+        layers = device_store.num_layers + (window_store.num_layers if window_store else 0)
         if host_store is not None:
             for d, h in zip(device_store.parts, host_store.parts, strict=True):
-                if h.dtype != d.dtype or h.shape[1:] != (d.shape[0], *d.shape[2:]):
+                if h.dtype != d.dtype or h.shape[1:] != (layers, *d.shape[2:]):
                     raise ValueError(
                         f"host store {tuple(h.shape)} {h.dtype} does not match "
-                        f"device store {tuple(d.shape)} {d.dtype}"
+                        f"device store {tuple(d.shape)} {d.dtype} of {layers} layers"
                     )
             if len(device_store.parts) != len(host_store.parts):
                 raise ValueError("host and device stores hold different KV formats")
+
+    def window_slot_of(self, device_page: int) -> int | None:
+        """The window slot of a page the caller names none for: the page's own index
+        while the windowed store has a slot for every page."""
+        ws = self.window_store
+        return device_page if ws is not None and ws.num_pages > device_page else None
 
     def _host(self) -> HostKVStore:
         if self.host_store is None:
@@ -229,16 +258,46 @@ class KVPageMover:
     def _copying(self):
         return self._side.copies() if self._side is not None else contextlib.nullcontext()
 
+    def _window_parts(self) -> list[torch.Tensor]:
+        return self.window_store.parts if self.window_store is not None else []
+
     def device_to_host(self, device_page: int, host_slot: int) -> None:
         # [L, S, Hkv, D] (strided across layers on the device) -> one contiguous host slot
         with self._copying():
-            for d, h in zip(self.device_store.parts, self._host().parts, strict=True):
-                h[host_slot].copy_(d[:, device_page], non_blocking=self._async)
+            if self._full_layers is None:
+                for d, h in zip(self.device_store.parts, self._host().parts, strict=True):
+                    h[host_slot].copy_(d[:, device_page], non_blocking=self._async)
+                return
+            ws = self.window_slot_of(device_page)
+            for (store, layers), (_, index) in zip(
+                self._groups(), self._group_layers(ws, device_page), strict=True
+            ):
+                if index is None:
+                    continue
+                for part, h in zip(store.parts, self._host().parts, strict=True):
+                    for i, layer in enumerate(layers):
+                        h[host_slot, layer].copy_(part[i, index], non_blocking=self._async)
 
     def host_to_device(self, host_slot: int, device_page: int) -> None:
         with self._copying():
-            for d, h in zip(self.device_store.parts, self._host().parts, strict=True):
-                d[:, device_page].copy_(h[host_slot], non_blocking=self._async)
+            if self._full_layers is None:
+                for d, h in zip(self.device_store.parts, self._host().parts, strict=True):
+                    d[:, device_page].copy_(h[host_slot], non_blocking=self._async)
+                return
+            self.load_device([h[host_slot] for h in self._host().parts], device_page)
+
+    def _groups(self) -> list[tuple[DeviceKVStore, list[int]]]:
+        """Each store with the model layers it holds, in its order."""
+        assert self.window_store is not None
+        assert self._full_layers is not None and self._window_layers is not None
+        return [
+            (self.device_store, self._full_layers),
+            (self.window_store, self._window_layers),
+        ]
+
+    def _group_layers(self, window_slot: int | None, device_page: int):
+        """Where a page lives in each store: (store, its index there, or None)."""
+        return [(self.device_store, device_page), (self.window_store, window_slot)]
 
     def wait_for_copies(self) -> None:
         """Order the compute after the host-tier copies issued so far: before a forward
@@ -247,10 +306,24 @@ class KVPageMover:
             self._side.wait()
 
     def snapshot_device(self, device_page: int) -> list[torch.Tensor]:
-        """CPU copies of a device page's tensors `[L, S, ...]`, for the disk tier's writer."""
-        return [
-            d[:, device_page].to("cpu", copy=True).contiguous() for d in self.device_store.parts
-        ]
+        """CPU copies of a device page's tensors `[L, S, ...]` (every layer, in the model's
+        order: zeros for a window part let go), for the disk tier's writer."""
+        if self._full_layers is None:
+            return [
+                d[:, device_page].to("cpu", copy=True).contiguous() for d in self.device_store.parts
+            ]
+        ws = self.window_slot_of(device_page)
+        layers = self.device_store.num_layers + len(self._window_layers or ())
+        out = [torch.zeros((layers, *d.shape[2:]), dtype=d.dtype) for d in self.device_store.parts]
+        for (store, model_layers), (_, index) in zip(
+            self._groups(), self._group_layers(ws, device_page), strict=True
+        ):
+            if index is None:
+                continue
+            for part, page in zip(store.parts, out, strict=True):
+                for i, layer in enumerate(model_layers):
+                    page[layer].copy_(part[i, index])
+        return out
 
     def snapshot_host(self, host_slot: int) -> list[torch.Tensor]:
         """Copies of a host slot's tensors (the slot is about to be reused)."""
@@ -258,20 +331,39 @@ class KVPageMover:
         return [h[host_slot].clone() for h in self._host().parts]
 
     def load_device(self, parts: list[torch.Tensor], device_page: int) -> None:
-        """Copy a page read from disk (`snapshot_*` layout) into a device page."""
-        for d, t in zip(self.device_store.parts, parts, strict=True):
-            d[:, device_page].copy_(t)
+        """Copy a page read from disk or the host (`snapshot_*` layout) into a device page."""
+        if self._full_layers is None:
+            for d, t in zip(self.device_store.parts, parts, strict=True):
+                d[:, device_page].copy_(t)
+            return
+        ws = self.window_slot_of(device_page)
+        for (store, model_layers), (_, index) in zip(
+            self._groups(), self._group_layers(ws, device_page), strict=True
+        ):
+            if index is None:
+                continue
+            for part, t in zip(store.parts, parts, strict=True):
+                for i, layer in enumerate(model_layers):
+                    part[i, index].copy_(t[layer], non_blocking=self._async)
 
     def copy_tokens(self, src_page: int, dst_page: int, n_tokens: int) -> None:
         # [L, n, ...]: the first n slots of the page, every layer
         self.wait_for_copies()
         for d in self.device_store.parts:
             d[:, dst_page, :n_tokens] = d[:, src_page, :n_tokens]
+        src, dst = self.window_slot_of(src_page), self.window_slot_of(dst_page)
+        if src is not None and dst is not None:
+            for w in self._window_parts():
+                w[:, dst, :n_tokens] = w[:, src, :n_tokens]
 
     def move_page(self, src_page: int, dst_page: int) -> None:
         self.wait_for_copies()
         for d in self.device_store.parts:
             d[:, dst_page] = d[:, src_page]
+        src, dst = self.window_slot_of(src_page), self.window_slot_of(dst_page)
+        if src is not None and dst is not None:
+            for w in self._window_parts():
+                w[:, dst] = w[:, src]
 
     def synchronize(self) -> None:
         """Wait for pending asynchronous copies (before the CPU reads host bytes)."""

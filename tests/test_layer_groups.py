@@ -1,0 +1,55 @@
+"""The windowed layers' own store: which layer lives where, and pages moved between the
+stores and the host and disk tiers in the model's layer order."""
+
+from __future__ import annotations
+
+import torch
+
+from kvchat.engine.layer_groups import LayerGroups
+from kvchat.engine.tiers.kv_store import DeviceKVStore, HostKVStore, KVPageMover
+
+PAGES, S, HKV, D = 4, 16, 2, 8
+
+
+def test_a_model_with_both_kinds_of_layer_splits_them():
+    groups = LayerGroups.of([8, 8, None, 8, 8, None], 6)
+    assert groups.split and groups.window == 8
+    assert groups.full == (2, 5) and groups.windowed == (0, 1, 3, 4)
+    assert groups.locations() == (
+        (True, 0), (True, 1), (False, 0), (True, 2), (True, 3), (False, 1),
+    )  # fmt: skip
+
+
+def test_one_kind_of_layer_keeps_one_store():
+    for windows in (None, [None] * 3, [8] * 3):
+        groups = LayerGroups.of(windows, 3)
+        assert not groups.split and groups.full == (0, 1, 2)
+        assert groups.locations() == ((False, 0), (False, 1), (False, 2))
+
+
+def _stores(groups: LayerGroups, kv_format: str):
+    full = DeviceKVStore(len(groups.full), PAGES, S, HKV, D, torch.float32, "cpu", kv_format)
+    window = DeviceKVStore(len(groups.windowed), PAGES, S, HKV, D, torch.float32, "cpu", kv_format)
+    host = HostKVStore(3, groups.num_layers, S, HKV, D, torch.float32, "cpu", kv_format)
+    for t in (*full.parts, *window.parts):
+        t.copy_(torch.randn(t.shape).to(t.dtype) if t.dtype != torch.int8 else t.random_(-9, 9))
+    return full, window, host
+
+
+def test_a_page_reaches_the_host_and_disk_in_model_order_and_comes_back():
+    groups = LayerGroups.of([8, None, 8, 8], 4)
+    for kv_format in ("native", "int8"):
+        full, window, host = _stores(groups, kv_format)
+        mover = KVPageMover(full, host, window, groups)
+        snapshot = mover.snapshot_device(2)
+        for part_full, part_window, page in zip(full.parts, window.parts, snapshot, strict=True):
+            assert torch.equal(page[1], part_full[0, 2])  # layer 1 is the full one
+            for i, layer in enumerate(groups.windowed):
+                assert torch.equal(page[layer], part_window[i, 2])
+        mover.device_to_host(2, 1)
+        assert all(torch.equal(h[1], t) for h, t in zip(host.parts, snapshot, strict=True))
+        mover.host_to_device(1, 3)
+        mover.load_device(snapshot, 0)
+        for store in (full, window):
+            for part in store.parts:
+                assert torch.equal(part[:, 3], part[:, 2]) and torch.equal(part[:, 0], part[:, 2])
