@@ -409,7 +409,14 @@ def describe_cache(engine) -> str:
     ps = s.page_size
     dev = s.pages.device.capacity
     host = s.pages.host.capacity
-    per_page = engine.kv_store_bytes // max(dev, 1)
+    host_bytes = engine.host_store.nbytes() if engine.host_store is not None else 0
+    window = engine.table.window
+    window_text = (
+        f"; the windowed layers keep {window.num_slots - 1} pages' worth, their window's "
+        f"for each conversation"
+        if window is not None and not window.unbounded
+        else ""
+    )
     disk = s.pages.disk
     disk_text = (
         f"disk tier {format_size(s.disk_bytes.capacity)} at {engine.disk.root} "
@@ -421,8 +428,9 @@ def describe_cache(engine) -> str:
         disk_text += f" ({s.disk_notice})"
     return (
         f"KV cache: {dev} pages x {ps} tokens on {engine.transformer.device.type} "
-        f"({dev * ps:,} tokens, {dev * per_page / 2**20:.0f} MiB), host tier {host} pages "
-        f"({host * ps:,} tokens, {host * per_page / 2**20:.0f} MiB), {disk_text}; context "
+        f"({dev * ps:,} tokens, {engine.kv_store_bytes / 2**20:.0f} MiB{window_text}), "
+        f"host tier {host} pages ({host * ps:,} tokens, {host_bytes / 2**20:.0f} MiB), "
+        f"{disk_text}; context "
         f"{engine.context_length:,} tokens; attention: "
         f"{describe_attention(engine.attention_kind, engine.transformer.device)}"
     )

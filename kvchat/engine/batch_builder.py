@@ -17,11 +17,15 @@ from kvchat.model.batch import ForwardBatch
 
 def build_batch(
     plan: StepPlan, table: PageTable, device: torch.device
-) -> tuple[ForwardBatch, list[tuple[int, ...]]]:
-    """The batch for `plan`'s runs, and each run's page list."""
+) -> tuple[ForwardBatch, list[tuple[int, ...]], list[tuple[int, ...]] | None]:
+    """The batch for `plan`'s runs, each run's page list, and where the model keeps its
+    windowed layers apart, each run's window slots (given here to the pages it writes)."""
     starts = [seq.num_computed for seq, _ in plan.runs]
     query_lens = [n for _, n in plan.runs]
     page_lists = [table.pages(seq.id) for seq, _ in plan.runs]
+    window_lists = None
+    if table.window is not None:
+        window_lists = [table.window_pages(seq.id, seq.num_computed + n) for seq, n in plan.runs]
     ids: list[int] = []
     positions: list[int] = []
     logits_at: list[int] = []
@@ -37,4 +41,4 @@ def build_batch(
         context_lens=tuple(s + n for s, n in zip(starts, query_lens, strict=True)),
         logits_indices=torch.tensor(logits_at, dtype=torch.long, device=device),
     )
-    return batch, page_lists
+    return batch, page_lists, window_lists

@@ -59,6 +59,10 @@ class EngineConfig:
     # kernel once built), "flex" (torch's FlexAttention, compiled) or "sdpa"; None: the
     # device's default (flex on CUDA, native elsewhere).
     attention: str | None = None
+    # A model with windowed layers (Gemma 3, gpt-oss) keeps their K/V in slots of their own,
+    # for the pages within a window of a live sequence and the idle parts a slot can spare
+    # (engine/cache/window_slots.py); None: sized from the device cache (kv_cache.py).
+    window_slots: int | None = None
 
     def __post_init__(self) -> None:
         ps = self.page_size

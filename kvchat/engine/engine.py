@@ -60,6 +60,7 @@ class _ScheduledStep:
     plan: StepPlan
     batch: ForwardBatch
     page_lists: list[tuple[int, ...]]
+    window_page_lists: list[tuple[int, ...]] | None  # the windowed layers' slots, if apart
 
 
 def freeze_long_lived_objects() -> None:
@@ -100,6 +101,7 @@ class Engine:
             self.config,
             self.max_context,
             busy=lambda: bool(self.scheduler.running or self.scheduler.waiting),
+            split_windowed=self.attention_kind != "flex",
         )
         self.store, self.host_store, self.mover = cache.store, cache.host_store, cache.mover
         self.window_store = cache.window_store  # the windowed layers', where they are apart
@@ -318,14 +320,17 @@ class Engine:
             if plan.empty:
                 return None
             self._idle.work_came()
-            batch, page_lists = build_batch(plan, self.table, self.transformer.device)
-            return _ScheduledStep(plan, batch, page_lists)
+            batch, page_lists, window_lists = build_batch(plan, self.table, self.transformer.device)
+            return _ScheduledStep(plan, batch, page_lists, window_lists)
 
     def _run(self, step: _ScheduledStep) -> list[int | None] | None:
         """The forward pass, outside the lock, and the tokens it gives; on failure this
         step's sequences fail (None)."""
         try:
-            self.attention.prepare(step.batch, step.page_lists)
+            if step.window_page_lists is None:
+                self.attention.prepare(step.batch, step.page_lists)
+            else:
+                self.attention.prepare(step.batch, step.page_lists, step.window_page_lists)
             self.mover.wait_for_copies()  # pages restored from the host tier (CUDA)
             logits = self.transformer.forward(step.batch, self.attention)
         except Exception as exc:  # fail this step's sequences, keep serving the others

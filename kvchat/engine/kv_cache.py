@@ -15,14 +15,26 @@ from dataclasses import dataclass
 
 from kvchat.engine.cache.page_hash import root_salt
 from kvchat.engine.cache.page_table import PageTable
+from kvchat.engine.cache.window_slots import WindowSlots
 from kvchat.engine.config import EngineConfig, default_cache_bytes
 from kvchat.engine.layer_groups import LayerGroups
 from kvchat.engine.tiers.disk_page import DiskPageFormat
 from kvchat.engine.tiers.disk_tier import DiskTier
 from kvchat.engine.tiers.host_tier import HostTier
-from kvchat.engine.tiers.kv_store import DeviceKVStore, HostKVStore, KVPageMover, pages_for_bytes
+from kvchat.engine.tiers.kv_store import (
+    DeviceKVStore,
+    HostKVStore,
+    KVPageMover,
+    kv_bytes_per_token,
+    pages_for_bytes,
+)
 from kvchat.errors import KvchatError
 from kvchat.model.device import dtype_name
+
+# Window slots a device page is given, for a model whose windowed layers are kept apart:
+# a conversation of four windows' length keeps its last window's parts, and the rest
+# goes to more pages (its full-attention layers).
+WINDOW_SLOTS_PER_PAGE = 0.25
 
 
 @dataclass(frozen=True)
@@ -36,9 +48,18 @@ class KVCache:
     table: PageTable
 
 
-def build_kv_cache(model, config: EngineConfig, context: int, busy: Callable[[], bool]) -> KVCache:
+def build_kv_cache(
+    model,
+    config: EngineConfig,
+    context: int,
+    busy: Callable[[], bool],
+    *,
+    split_windowed: bool = True,
+) -> KVCache:
     """The cache for `model` (a `LoadedModel`) running contexts of up to `context`
-    tokens; `busy` tells the disk tier's writer when requests run (it holds back then)."""
+    tokens; `busy` tells the disk tier's writer when requests run (it holds back then).
+    `split_windowed`: keep windowed layers apart (`layer_groups`); FlexAttention's block
+    tables map each physical page to one position of a sequence, so it keeps them whole."""
     mc, transformer = model.config, model.transformer
     device, dtype = transformer.device, transformer.dtype
     default_dev, default_host = default_cache_bytes(device)
@@ -46,19 +67,24 @@ def build_kv_cache(model, config: EngineConfig, context: int, busy: Callable[[],
     host_bytes = default_host if config.host_cache_bytes is None else config.host_cache_bytes
     ps, kv_format = config.page_size, config.kv_format
     geometry = (mc.num_layers, ps, mc.num_kv_heads, mc.head_dim, dtype)
+    groups = LayerGroups.of(mc.layer_windows if split_windowed else None, mc.num_layers)
     num_pages = pages_for_bytes(dev_bytes, *geometry, kv_format)
+    window_slots = 0
+    if groups.split:
+        num_pages, window_slots = _split_pool(dev_bytes, groups, config, geometry[1:])
     host_slots = pages_for_bytes(host_bytes, *geometry, kv_format)
     if num_pages < 2:
         raise KvchatError(
             f"The device cache ({dev_bytes} bytes) holds fewer than 2 pages of "
             f"{ps} tokens; raise --device-cache or lower --page-size."
         )
-    groups = LayerGroups.of(mc.layer_windows, mc.num_layers)
-    window_store = None
+    window_store = window = None
     if groups.split:
+        assert groups.window is not None
         rest = (ps, mc.num_kv_heads, mc.head_dim, dtype, device, kv_format)
         store = DeviceKVStore(len(groups.full), num_pages, *rest)
-        window_store = DeviceKVStore(len(groups.windowed), num_pages, *rest)
+        window_store = DeviceKVStore(len(groups.windowed), window_slots, *rest)
+        window = WindowSlots(window_slots, groups.window, ps, config.step_token_budget, num_pages)
     else:
         store = DeviceKVStore(*geometry[:1], num_pages, *geometry[1:], device, kv_format)
     host_store = HostKVStore(host_slots, *geometry, device, kv_format) if host_slots else None
@@ -66,17 +92,51 @@ def build_kv_cache(model, config: EngineConfig, context: int, busy: Callable[[],
     rotary_set = transformer.fit_context(context)
     fingerprint = model.fingerprint + (f"-rope-{rotary_set}" if rotary_set else "")
     salt = root_salt(fingerprint, dtype_name(dtype), kv_format)
-    mover = KVPageMover(store, host_store, window_store, groups)
+    mover = KVPageMover(store, host_store, window_store, groups, window)
     disk = None
     if config.disk_cache_bytes > 0:
         from kvchat.paths import app_paths
 
         fmt = DiskPageFormat(
-            salt, ps, mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype_name(dtype), kv_format
+            salt,
+            ps,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            dtype_name(dtype),
+            kv_format,
+            window_flag=groups.split,
         )
         root = config.disk_cache_dir or app_paths().kv_cache_dir
         disk = DiskTier(root, fmt, config.disk_cache_bytes, busy=busy)
     table = PageTable(
-        num_pages, ps, salt, HostTier(host_slots) if host_slots else None, mover, disk
+        num_pages, ps, salt, HostTier(host_slots) if host_slots else None, mover, disk, window
     )
     return KVCache(store, window_store, groups, host_store, mover, disk, table)
+
+
+def _split_pool(
+    nbytes: int, groups: LayerGroups, config: EngineConfig, geometry: tuple
+) -> tuple[int, int]:
+    """(pages, window slots) for a device cache of `nbytes` whose windowed layers are kept
+    apart. The slots: `WINDOW_SLOTS_PER_PAGE` of the pages, and at least what a full batch
+    of sequences holding their windows while a step writes its chunk needs; never more
+    than a slot per page (and slot 0, never given)."""
+    ps = config.page_size
+    page_bytes = ps * kv_bytes_per_token(len(groups.full), *geometry[1:], config.kv_format)
+    slot_bytes = ps * kv_bytes_per_token(len(groups.windowed), *geometry[1:], config.kv_format)
+    if config.window_slots is not None:
+        slots = config.window_slots
+        return max(0, (nbytes - slots * slot_bytes) // page_bytes), slots
+    assert groups.window is not None
+    per_sequence = -(-(groups.window - 1) // ps) + 2
+    least = 1 + (config.max_batch + 2) * per_sequence + -(-config.step_token_budget // ps) + 1
+    pages = int(nbytes // (page_bytes + WINDOW_SLOTS_PER_PAGE * slot_bytes))
+    if WINDOW_SLOTS_PER_PAGE * pages < least:
+        pages = max(0, (nbytes - least * slot_bytes) // page_bytes)
+    slots = max(least, int(WINDOW_SLOTS_PER_PAGE * pages))
+    if slots > pages + 1:  # a slot for every page: the pages take the rest
+        per_page = page_bytes + slot_bytes
+        pages = max(0, (nbytes - slot_bytes) // per_page)
+        slots = pages + 1
+    return pages, slots

@@ -57,18 +57,22 @@ def plan_admission(
     tiers: LowerTiers,
     can_allocate: Callable[[int, set[int]], bool],
     can_take_over: Callable[[int, int], bool],
+    window_cut: Callable[[PrefixMatch, dict[bytes, Any]], int] | None = None,
 ) -> Admission | None:
     """The walk of `tokens` and what admitting it takes; None if it cannot fit.
 
     At most `len(tokens) - 1` tokens are matched: the last one is always computed, for
     its logits. When the pages do not fit with the tail kept, the tail copy is given up
     to make room. Changes nothing but the disk tier (a page that fails its checks).
+    `window_cut` (a model with windowed layers kept apart) says how much of a walk can
+    be started from (`PageTable._window_cut`); the walk is made again up to there.
     """
     n, ps = len(tokens), index.page_size
     # ceil((n + 1) / ps): the prompt plus one generated token; a type-ahead generates none
     total_pages = -(-n // ps) if is_type_ahead else n // ps + 1
+    limit = n - 1
     while True:
-        walk = index.walk(tokens, n - 1, salt, tiers.host, host_tail=True, disk=tiers.disk)
+        walk = index.walk(tokens, limit, salt, tiers.host, host_tail=True, disk=tiers.disk)
         device_hits = [p for _, p in walk.chain if p is not None]
         need = total_pages - len(device_hits)
         pinned = set(device_hits)
@@ -80,5 +84,10 @@ def plan_admission(
             walk.tail_src, walk.tail_len = None, 0  # make room by giving up the tail copy
             takeover = False
         from_disk = tiers.read_disk_only([h for h, p in walk.chain if p is None])
+        if from_disk is not None and window_cut is not None:
+            start = window_cut(walk, from_disk)
+            if start < len(walk.chain) * ps + walk.tail_len:
+                limit = start
+                continue
         if from_disk is not None:
             return Admission(walk, device_hits, takeover, need - int(takeover), from_disk)

@@ -40,6 +40,11 @@ class PageMover(Protocol):
 
     def load_device(self, parts: Any, device_page: int) -> None: ...
 
+    # a model whose windowed layers are kept apart: whether a copy holds their part
+    def window_of_host(self, host_slot: int) -> bool: ...
+
+    def window_of_parts(self, parts: Any) -> bool: ...
+
 
 class DiskStore(Protocol):
     """The disk tier as the page table uses it (`disk_tier.DiskTier` is the real one)."""
@@ -81,6 +86,11 @@ class LowerTiers:
 
     def on_host(self, h: bytes) -> bool:
         return self.host is not None and h in self.host
+
+    def window_on_host(self, h: bytes) -> bool:
+        """Whether host page `h` holds its windowed layers' part (it left the device with it)."""
+        entry = self.host.get(h) if self.host is not None else None
+        return entry is not None and self._mover.window_of_host(entry.slot)
 
     def read_disk_only(self, hashes: Collection[bytes]) -> dict[bytes, Any] | None:
         """Read the pages among `hashes` that only the disk holds (the host serves the others).

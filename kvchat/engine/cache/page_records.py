@@ -26,9 +26,12 @@ class Page:
 class SeqPages:
     """The pages of one live sequence, in order, and how many of its tokens are written."""
 
-    __slots__ = ("num_tokens", "pages", "type_ahead")
+    __slots__ = ("num_tokens", "pages", "type_ahead", "window_from", "window_to")
 
     def __init__(self, pages: list[int], num_tokens: int, type_ahead: bool = False) -> None:
         self.pages = pages
         self.num_tokens = num_tokens  # tokens whose K/V is written
         self.type_ahead = type_ahead  # a type-ahead's pages: what it writes is marked as a guess
+        # its pages [window_from, window_to) hold their window part for it (`window_slots`)
+        self.window_from = 0
+        self.window_to = 0

@@ -41,7 +41,8 @@ from kvchat.engine.cache.page_hash import page_hash
 from kvchat.engine.cache.page_records import Page, SeqPages
 from kvchat.engine.cache.page_table_invariants import PageTableCorrupt, page_table_problems
 from kvchat.engine.cache.page_table_views import PageInfo, PageTableStats, Reservation
-from kvchat.engine.cache.prefix_index import PrefixIndex
+from kvchat.engine.cache.prefix_index import PrefixIndex, PrefixMatch
+from kvchat.engine.cache.window_slots import WindowSlots
 from kvchat.engine.events import CachedTokens
 from kvchat.engine.per_tier import PerTier
 from kvchat.engine.stats import Residency, TierPages
@@ -66,7 +67,10 @@ class PageTable:
         host: HostTier | None,
         mover: PageMover,
         disk: DiskStore | None = None,
+        window: WindowSlots | None = None,
     ) -> None:
+        """`window`: where the model keeps its windowed layers apart, which pages keep
+        their part of them (`window_slots`); None: every layer of every page is kept."""
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         if page_size < 1:
@@ -85,6 +89,7 @@ class PageTable:
         self._tiers = LowerTiers(
             host, disk, mover, anchored=self._anchored, count=self._count_eviction
         )
+        self._window = window
 
     @property
     def host(self) -> HostTier | None:
@@ -125,6 +130,9 @@ class PageTable:
         n = len(tokens)
         if n == 0:
             raise ValueError("a sequence needs at least one token")
+        window = self._window
+        if window is not None and not window.admits(len(self._seqs) + 1):
+            return None  # its window could not be held beside the live ones': it waits
         plan = plan_admission(
             tokens,
             is_type_ahead,
@@ -133,6 +141,7 @@ class PageTable:
             tiers=self._tiers,
             can_allocate=self._can_allocate,
             can_take_over=self._can_take_over,
+            window_cut=self._window_cut if window is not None else None,
         )
         if plan is None:
             return None
@@ -144,6 +153,14 @@ class PageTable:
             if not is_type_ahead:
                 cached_type_ahead += self._take_from_type_ahead(p, ps)
             self._ref(p, clock)
+        matched = len(walk.chain) * ps + walk.tail_len
+        window_from = window.first_page(matched) if window is not None else 0
+        if window is not None:  # held before any slot is given below, which could take them
+            for j, (_, p) in enumerate(walk.chain):
+                if p is not None and j >= window_from:
+                    window.ref(p)
+            if walk.tail_src is not None and window.has(walk.tail_src):
+                window.ref(walk.tail_src)  # the tail's source (or the page extended)
         if plan.takeover:
             self._cached.discard(plan.after)  # this sequence extends it in place
         fresh = iter(
@@ -158,6 +175,8 @@ class PageTable:
                 on_device += ps
             elif h in plan.from_disk:  # read back from the disk tier
                 p = next(fresh)
+                if window is not None and len(pages) >= window_from:
+                    self._hold_window(p, self._mover.window_of_parts(plan.from_disk[h]))
                 self._tiers.restore_from_disk(plan.from_disk[h], p)
                 start = len(pages) * ps
                 self._index_restored(p, h, parent, tokens[start : start + ps], clock)
@@ -165,6 +184,8 @@ class PageTable:
                 on_disk += ps
             else:  # restored from the host tier
                 p = next(fresh)
+                if window is not None and len(pages) >= window_from:
+                    self._hold_window(p, self._tiers.window_on_host(h))
                 entry = self._tiers.restore_from_host(h, p, clock)
                 self._index_restored(p, h, entry.parent, entry.tokens, clock)
                 self._pages[p].refcount = 1
@@ -186,7 +207,9 @@ class PageTable:
             pages.append(p)
 
         found = CachedTokens(on_device, on_host, on_disk)
-        self._seqs[seq_id] = SeqPages(pages, found.total, is_type_ahead)
+        seq = self._seqs[seq_id] = SeqPages(pages, found.total, is_type_ahead)
+        if window is not None:
+            seq.window_from, seq.window_to = window_from, -(-matched // ps)
         if count_as == "prompt":
             self._counters = self._counters.prompt_admitted(n, found, cached_type_ahead)
         elif count_as == "recompute":
@@ -218,7 +241,13 @@ class PageTable:
                 from_type_ahead = self._take_from_type_ahead(p, m)
         elif walk.tail_src is not None:
             src = self._pages[walk.tail_src]
+            window = self._window
+            src_window = window is not None and window.has(walk.tail_src)
+            if src_window:
+                self._hold_window(p, True)
             self._mover.copy_tokens(walk.tail_src, p, m)
+            if window is not None and src_window:
+                window.unref(walk.tail_src)  # held while its part was copied
             page.tokens = src.tokens[:m]
             src.last_used = clock
             on_device = m
@@ -229,6 +258,8 @@ class PageTable:
                 from_type_ahead = m - (src.type_ahead_from or 0)
         else:
             assert walk.tail_host is not None
+            if self._window is not None:
+                self._hold_window(p, self._tiers.window_on_host(walk.tail_host))
             self._tiers.restore_from_host(walk.tail_host, p, clock)
             page.tokens = list(rest[:m])
             on_host = m
@@ -293,8 +324,13 @@ class PageTable:
             if len(page.tokens) == ps:
                 assert page.parent is not None
                 page.hash = page_hash(page.parent, page.tokens)
-                if self._index.add_full(page.hash, p):
+                if self._index.add_full(page.hash, p) or self._window_replaces(p):
                     self._drop_dominated_siblings(p)
+        if self._window is not None:  # pages behind its next query's window: no longer its
+            upto = min(self._window.first_page(seq.num_tokens), seq.window_to)
+            for j in range(seq.window_from, upto):
+                self._window.unref(seq.pages[j])
+            seq.window_from = max(seq.window_from, upto)
 
     def release(self, seq_id: int) -> None:
         """End a sequence: its full pages stay as the prompt cache, its partial page as a tail."""
@@ -302,6 +338,9 @@ class PageTable:
         if seq is None:
             raise ValueError(f"sequence {seq_id} is not live")
         self._clock += 1
+        if self._window is not None:
+            for j in range(seq.window_from, seq.window_to):
+                self._window.unref(seq.pages[j])
         if self.disk is not None and not seq.type_ahead:  # a type-ahead's guesses: not kept
             self._tiers.save_released(self._indexed_chain(seq.pages))
         for p in reversed(seq.pages):
@@ -313,6 +352,23 @@ class PageTable:
 
     def pages(self, seq_id: int) -> tuple[int, ...]:
         return tuple(self._seq(seq_id).pages)
+
+    def window_pages(self, seq_id: int, end: int) -> tuple[int, ...]:
+        """The sequence's pages as the windowed layers' store reads them (each page's
+        window slot), after giving a slot to each page up to position `end` (exclusive)
+        that has none: a step is about to write there. The table must have a window."""
+        window = self._window
+        assert window is not None, "this table keeps every layer of every page"
+        seq = self._seq(seq_id)
+        upto = min(-(-end // self.page_size), len(seq.pages))
+        for j in range(seq.window_to, upto):
+            self._hold_window(seq.pages[j], True)
+        seq.window_to = max(seq.window_to, upto)
+        return window.slots_of(seq.pages)
+
+    @property
+    def window(self) -> WindowSlots | None:
+        return self._window
 
     def num_tokens(self, seq_id: int) -> int:
         return self._seq(seq_id).num_tokens
@@ -370,11 +426,16 @@ class PageTable:
         for p in on_device:
             self._pages[p].last_used = clock
         fresh = self._allocate(k, on_device, {h for h, _ in walk.chain})
+        window = self._window
         for (h, parent, page_tokens), p in zip(wanted, fresh, strict=True):
             if h in from_disk:
+                if window is not None and self._mover.window_of_parts(from_disk[h]):
+                    self._keep_window_idle(p)
                 self._tiers.restore_from_disk(from_disk[h], p)
                 self._index_restored(p, h, parent, page_tokens, clock)
             else:
+                if window is not None and self._tiers.window_on_host(h):
+                    self._keep_window_idle(p)
                 entry = self._tiers.restore_from_host(h, p, clock)
                 self._index_restored(p, h, entry.parent, entry.tokens, clock)
             self._cached.add(p)
@@ -442,6 +503,8 @@ class PageTable:
         if self.host is not None and ev.host_to_disk + ev.host_dropped != self.host.dropped:
             out.append("pages that left the host (to disk or lost) != the host's drops")
         out.extend(self._tiers.problems())
+        if self._window is not None:
+            out.extend(self._window.problems())
         return out
 
     # ---- internals -----------------------------------------------------------------------
@@ -538,6 +601,8 @@ class PageTable:
         page = self._pages[p]
         self._index.forget(p)
         self._cached.discard(p)
+        if self._window is not None:
+            self._window.drop(p)
         page.hash = None
         page.parent = None
         page.tokens = []
@@ -565,6 +630,8 @@ class PageTable:
         """A page's last holder let go: keep it as cache if it can be matched, else free it."""
         page = self._pages[p]
         if not page.tokens:
+            if self._window is not None:  # a step was to write it, and failed
+                self._window.drop(p)
             self._free.push(p)
             return
         if len(page.tokens) == self.page_size:
@@ -596,6 +663,68 @@ class PageTable:
         self._index.moved(page, src, dst)
         self._cached.discard(src)
         self._cached.add(dst)
+        if self._window is not None:
+            self._window.moved(src, dst)
+
+    # ---- the windowed layers' parts ------------------------------------------------------
+
+    def _hold_window(self, p: int, give: bool) -> None:
+        """The sequence being admitted or stepped reads page `p`'s window part: give it a
+        slot first when `give` (a part is about to be written or copied there)."""
+        assert self._window is not None
+        if give and not self._window.has(p):
+            self._window.give(p)
+        if self._window.has(p):
+            self._window.ref(p)
+
+    def _keep_window_idle(self, p: int) -> None:
+        """A prefetched page's window part comes back too, as cache, where a slot can be had."""
+        assert self._window is not None
+        if self._window.can_give():
+            self._window.give(p)
+
+    def _window_cut(self, walk: PrefixMatch, from_disk: dict[bytes, Any]) -> int:
+        """The most tokens of `walk` a sequence can start from: every page of the window
+        before its first new token must have its window part somewhere (the device, the
+        host, or the disk page's file). Else the match ends at the last full page where
+        that holds (at worst 0: computed from the start)."""
+        window, ps, chain = self._window, self.page_size, walk.chain
+        assert window is not None
+
+        def kept(j: int) -> bool:
+            if j < len(chain):
+                h, p = chain[j]
+                if p is not None:
+                    return window.has(p)
+                if h in from_disk:
+                    return self._mover.window_of_parts(from_disk[h])
+                return self._tiers.window_on_host(h)
+            if walk.tail_src is not None:
+                return window.has(walk.tail_src)
+            return walk.tail_host is not None and self._tiers.window_on_host(walk.tail_host)
+
+        def whole(end: int) -> bool:
+            return all(kept(j) for j in range(window.first_page(end), -(-end // ps)))
+
+        matched = len(chain) * ps + walk.tail_len
+        if whole(matched):
+            return matched
+        return next((k * ps for k in range(len(chain), 0, -1) if whole(k * ps)), 0)
+
+    def _window_replaces(self, p: int) -> bool:
+        """Page `p` just became full with the hash of a cached page that lost its window
+        part: `p`, which has one, takes its place in the index (else a conversation that
+        had to recompute its window would have to again at every switch)."""
+        window, page = self._window, self._pages[p]
+        assert page.hash is not None
+        q = self._index.get(page.hash)
+        if window is None or q is None or q == p or not window.has(p) or window.has(q):
+            return False
+        if self._pages[q].refcount:
+            return False
+        self._clear(q)  # the index's duplicate `p` takes over
+        self._free.push(q)
+        return self._index.get(page.hash) == p
 
 
 def _opt(x: int | bytes | None) -> set:

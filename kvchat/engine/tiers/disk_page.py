@@ -34,6 +34,7 @@ TEMP_SUFFIX = ".tmp"
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 
+WINDOW_FLAG = "window_kept"  # 1: the page holds its windowed layers' part
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -52,16 +53,24 @@ class DiskPageFormat:
     head_dim: int
     dtype: str  # the compute dtype's name, e.g. "bfloat16"
     kv_format: str  # "native" | "int8"
+    # a model whose windowed layers are kept apart: a page may lack their part (zeros in
+    # the file), and a one-byte tensor says whether it has it
+    window_flag: bool = False
 
     @property
     def part_names(self) -> tuple[str, ...]:
-        return ("k", "v", "k_scale", "v_scale") if self.kv_format == "int8" else ("k", "v")
+        kv = ("k", "v", "k_scale", "v_scale") if self.kv_format == "int8" else ("k", "v")
+        return (*kv, WINDOW_FLAG) if self.window_flag else kv
 
     def part_shape(self, name: str) -> tuple[int, ...]:
+        if name == WINDOW_FLAG:
+            return (1,)
         shape = (self.num_layers, self.page_size, self.n_kv_heads, self.head_dim)
         return shape[:-1] if name.endswith("_scale") else shape
 
     def part_dtype(self, name: str) -> torch.dtype:
+        if name == WINDOW_FLAG:
+            return torch.uint8
         if self.kv_format == "int8" and not name.endswith("_scale"):
             return torch.int8
         return _DTYPES[self.dtype]
@@ -78,7 +87,8 @@ class DiskPageFormat:
 
     @property
     def geometry(self) -> str:
-        return f"{self.num_layers},{self.page_size},{self.n_kv_heads},{self.head_dim}"
+        shape = f"{self.num_layers},{self.page_size},{self.n_kv_heads},{self.head_dim}"
+        return f"{shape},window-flag" if self.window_flag else shape
 
 
 def page_path(root: Path, salt: bytes, parent: bytes, h: bytes) -> Path:

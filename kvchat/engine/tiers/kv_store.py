@@ -22,6 +22,7 @@ import contextlib
 
 import torch
 
+from kvchat.engine.cache.window_slots import WindowSlots
 from kvchat.engine.layer_groups import LayerGroups
 from kvchat.engine.tiers.copy_stream import CopyStream
 from kvchat.model import huge_pages
@@ -205,10 +206,9 @@ class KVPageMover:
     """The page table's `PageMover` over real tensors: one copy per tensor per operation.
 
     With a windowed store (`layer_groups`), a page's windowed layers live in that store at
-    the page's window slot, or nowhere (`window_slot` None: the window part was let go);
-    the host and disk tiers keep every layer in the model's order, the window part when
-    there is one. The table says which window slot a page has; until it does, a page's
-    slot is its own index (`window_slot_of`).
+    the slot `window_slots` gives the page, or nowhere (the part was let go). The host and
+    disk tiers keep every layer in the model's order, zeros where a page had no window
+    part, and a flag that says whether it had (`window_of_host`, `window_of_parts`).
     """
 
     def __init__(
@@ -217,6 +217,7 @@ class KVPageMover:
         host_store: HostKVStore | None,
         window_store: DeviceKVStore | None = None,
         groups: LayerGroups | None = None,
+        window_slots: WindowSlots | None = None,
     ) -> None:
         self.device_store = device_store
         self.host_store = host_store
@@ -229,11 +230,14 @@ class KVPageMover:
         self._full_layers: list[int] | None = None  # model layer of each store layer
         self._window_layers: list[int] | None = None
         if window_store is not None:
-            if groups is None or not groups.split:
-                raise ValueError("a windowed store needs the layer groups it holds")
+            if groups is None or not groups.split or window_slots is None:
+                raise ValueError("a windowed store needs its layer groups and window slots")
             self._full_layers = list(groups.full)
             self._window_layers = list(groups.windowed)
+        self._slots = window_slots
         layers = device_store.num_layers + (window_store.num_layers if window_store else 0)
+        # which host slots hold their page's window part
+        self._host_window = torch.zeros(host_store.num_slots if host_store else 0, dtype=torch.bool)
         if host_store is not None:
             for d, h in zip(device_store.parts, host_store.parts, strict=True):
                 if h.dtype != d.dtype or h.shape[1:] != (layers, *d.shape[2:]):
@@ -245,10 +249,21 @@ class KVPageMover:
                 raise ValueError("host and device stores hold different KV formats")
 
     def window_slot_of(self, device_page: int) -> int | None:
-        """The window slot of a page the caller names none for: the page's own index
-        while the windowed store has a slot for every page."""
-        ws = self.window_store
-        return device_page if ws is not None and ws.num_pages > device_page else None
+        """Where the page's windowed layers are (None: nowhere, or no windowed store)."""
+        return self._slots.slot(device_page) if self._slots is not None else None
+
+    def window_of_host(self, host_slot: int) -> bool:
+        return bool(self._host_window[host_slot])
+
+    def window_of_parts(self, parts: list[torch.Tensor]) -> bool:
+        """Whether a page read from disk (`snapshot_*` layout) holds its window part."""
+        return self.window_store is not None and bool(parts[-1][0])
+
+    def _flag(self, kept: bool) -> list[torch.Tensor]:
+        """The flag part a snapshot ends with, where a windowed store is apart."""
+        if self.window_store is None:
+            return []
+        return [torch.tensor([int(kept)], dtype=torch.uint8)]
 
     def _host(self) -> HostKVStore:
         if self.host_store is None:
@@ -269,6 +284,7 @@ class KVPageMover:
                     h[host_slot].copy_(d[:, device_page], non_blocking=self._async)
                 return
             ws = self.window_slot_of(device_page)
+            self._host_window[host_slot] = ws is not None
             for (store, layers), (_, index) in zip(
                 self._groups(), self._group_layers(ws, device_page), strict=True
             ):
@@ -284,7 +300,8 @@ class KVPageMover:
                 for d, h in zip(self.device_store.parts, self._host().parts, strict=True):
                     d[:, device_page].copy_(h[host_slot], non_blocking=self._async)
                 return
-            self.load_device([h[host_slot] for h in self._host().parts], device_page)
+            parts = [h[host_slot] for h in self._host().parts]
+            self.load_device([*parts, *self._flag(self.window_of_host(host_slot))], device_page)
 
     def _groups(self) -> list[tuple[DeviceKVStore, list[int]]]:
         """Each store with the model layers it holds, in its order."""
@@ -313,7 +330,7 @@ class KVPageMover:
                 d[:, device_page].to("cpu", copy=True).contiguous() for d in self.device_store.parts
             ]
         ws = self.window_slot_of(device_page)
-        layers = self.device_store.num_layers + len(self._window_layers or ())
+        layers = len(self._full_layers) + len(self._window_layers or ())
         out = [torch.zeros((layers, *d.shape[2:]), dtype=d.dtype) for d in self.device_store.parts]
         for (store, model_layers), (_, index) in zip(
             self._groups(), self._group_layers(ws, device_page), strict=True
@@ -323,12 +340,13 @@ class KVPageMover:
             for part, page in zip(store.parts, out, strict=True):
                 for i, layer in enumerate(model_layers):
                     page[layer].copy_(part[i, index])
-        return out
+        return [*out, *self._flag(ws is not None)]
 
     def snapshot_host(self, host_slot: int) -> list[torch.Tensor]:
         """Copies of a host slot's tensors (the slot is about to be reused)."""
         self.synchronize()  # an asynchronous device-to-host copy may still be filling it
-        return [h[host_slot].clone() for h in self._host().parts]
+        parts = [h[host_slot].clone() for h in self._host().parts]
+        return [*parts, *self._flag(self.window_of_host(host_slot))]
 
     def load_device(self, parts: list[torch.Tensor], device_page: int) -> None:
         """Copy a page read from disk or the host (`snapshot_*` layout) into a device page."""
@@ -336,13 +354,13 @@ class KVPageMover:
             for d, t in zip(self.device_store.parts, parts, strict=True):
                 d[:, device_page].copy_(t)
             return
-        ws = self.window_slot_of(device_page)
+        ws = self.window_slot_of(device_page) if self.window_of_parts(parts) else None
         for (store, model_layers), (_, index) in zip(
             self._groups(), self._group_layers(ws, device_page), strict=True
         ):
             if index is None:
                 continue
-            for part, t in zip(store.parts, parts, strict=True):
+            for part, t in zip(store.parts, parts, strict=False):  # not the flag
                 for i, layer in enumerate(model_layers):
                     part[i, index].copy_(t[layer], non_blocking=self._async)
 

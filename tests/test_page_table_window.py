@@ -1,0 +1,167 @@
+"""The page table of a model whose windowed layers are kept apart (`WindowSlots`).
+
+A live sequence holds the window part of the pages its next query reads and no other;
+what it let go stays as idle cache until a slot is wanted; a conversation resumed at its
+end finds its window (on the device or restored from the host) and computes only what is
+new; a match whose window was let go ends where the window is whole. The fake mover keeps
+each window slot's "K/V" (the prefix that made it), so a part in the wrong slot shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvchat.engine.cache.page_table import PageTable
+from kvchat.engine.cache.window_slots import UNKEPT, WindowSlots
+from kvchat.engine.tiers.host_tier import HostTier
+from tests.page_table_helpers import PS, SALT, FakeMover, Slot, assert_data
+
+WINDOW = 6  # a query reads itself and 5 positions back: 2 or 3 pages of 4
+CHUNK = 8  # tokens a step writes at most
+
+
+class WindowFakeMover(FakeMover):
+    """`FakeMover` with the windowed layers' store: a list of slots per window slot."""
+
+    def __init__(self, num_pages: int, num_slots: int, window: WindowSlots) -> None:
+        super().__init__(num_pages, num_slots)
+        self.window = window
+        self.win: list[list[Slot]] = [[None] * PS for _ in range(window.num_slots)]
+        self.host_win: list[list[Slot] | None] = [None] * num_slots
+
+    def device_to_host(self, device_page: int, host_slot: int) -> None:
+        super().device_to_host(device_page, host_slot)
+        ws = self.window.slot(device_page)
+        self.host_win[host_slot] = None if ws is None else list(self.win[ws])
+
+    def host_to_device(self, host_slot: int, device_page: int) -> None:
+        super().host_to_device(host_slot, device_page)
+        ws, part = self.window.slot(device_page), self.host_win[host_slot]
+        if ws is not None and part is not None:
+            self.win[ws] = list(part)
+
+    def copy_tokens(self, src_page: int, dst_page: int, n_tokens: int) -> None:
+        super().copy_tokens(src_page, dst_page, n_tokens)
+        src, dst = self.window.slot(src_page), self.window.slot(dst_page)
+        if src is not None and dst is not None:
+            self.win[dst][:n_tokens] = self.win[src][:n_tokens]
+
+    def window_of_host(self, host_slot: int) -> bool:
+        return self.host_win[host_slot] is not None
+
+
+def make(num_pages: int, slots: int, host_slots: int | None = None):
+    window = WindowSlots(slots, WINDOW, PS, CHUNK, num_pages)
+    mover = WindowFakeMover(num_pages, host_slots or 0, window)
+    host = None if host_slots is None else HostTier(host_slots)
+    return PageTable(num_pages, PS, SALT, host, mover, None, window), mover, window
+
+
+def compute(table: PageTable, mover: WindowFakeMover, seq_id: int, tokens: Sequence[int]) -> None:
+    """Play the engine a step at a time: window slots for what the step writes, both
+    stores written, then the commit."""
+    while (start := table.num_tokens(seq_id)) < len(tokens):
+        end = min(len(tokens), start + CHUNK)
+        assert table.ensure_capacity(seq_id, end)
+        pages = table.pages(seq_id)
+        slots = table.window_pages(seq_id, end)
+        for pos in range(start, end):
+            prefix = tuple(tokens[: pos + 1])
+            mover.dev[pages[pos // PS]][pos % PS] = prefix
+            assert slots[pos // PS] != UNKEPT
+            mover.win[slots[pos // PS]][pos % PS] = prefix
+        assert_window(table, mover, seq_id, tokens, end)  # what the step's queries read
+        table.commit(seq_id, tokens[start:end])
+        table.validate()
+
+
+def assert_window(
+    table: PageTable, mover: WindowFakeMover, seq_id: int, tokens: Sequence[int], end: int
+) -> None:
+    """Every position a query at `table.num_tokens(seq_id)` or later reads, up to `end`,
+    has its window part in its page's slot."""
+    slots = table.window_pages(seq_id, end)
+    first = max(0, table.num_tokens(seq_id) - WINDOW + 1)
+    for pos in range(first, end):
+        got = mover.win[slots[pos // PS]][pos % PS]
+        assert got == tuple(tokens[: pos + 1]), f"window position {pos}: {got}"
+
+
+def turn(table, mover, seq_id: int, tokens: Sequence[int]):
+    res = table.reserve(seq_id, tokens, count_as="prompt")
+    assert res is not None
+    assert_data(table, mover, seq_id, tokens)
+    compute(table, mover, seq_id, tokens)
+    assert_data(table, mover, seq_id, tokens)
+    table.release(seq_id)
+    table.validate()
+    return res
+
+
+def tokens_of(seed: int, n: int) -> list[int]:
+    return [(seed * 31 + 7 * i) % 97 + 1 for i in range(n)]
+
+
+def test_a_live_sequence_holds_only_its_last_pages_window_parts():
+    table, mover, window = make(num_pages=32, slots=12)
+    history = tokens_of(1, 30)
+    assert table.reserve(1, history, count_as="prompt") is not None
+    compute(table, mover, 1, history)
+    # the next query (position 30) reads 25..30: pages 6 and 7 only
+    held = [p for p in table.pages(1) if window.has(p)]
+    assert window.in_use - window.idle == 2 and len(held) <= window.num_slots - 1
+    table.release(1)
+    table.validate()
+    assert window.idle == window.in_use  # kept as cache, none referenced
+
+
+def test_a_conversation_resumed_at_its_end_computes_only_what_is_new():
+    table, mover, _ = make(num_pages=32, slots=12)
+    a = tokens_of(1, 30)
+    turn(table, mover, 1, a)
+    again = turn(table, mover, 2, [*a, 5, 6, 7])
+    assert again.cached.device == 30
+
+
+def test_a_match_whose_window_was_let_go_ends_where_the_window_is_whole():
+    table, mover, window = make(num_pages=32, slots=12)
+    a = tokens_of(1, 30)
+    turn(table, mover, 1, a)
+    for seed in (2, 3, 4):  # other conversations take every idle slot
+        turn(table, mover, 10 + seed, tokens_of(seed, 30))
+    assert window.let_go > 0
+    fork = turn(table, mover, 20, [*a[:18], 50, 51])  # a's pages 0-3 are on the device
+    assert fork.cached.device % PS == 0 and fork.cached.device < 18
+    resumed = turn(table, mover, 21, [*a, 9])  # a's end: its window let go too
+    assert resumed.cached.device < 30
+
+
+def test_the_window_comes_back_from_the_host_tier_with_its_pages():
+    table, mover, _ = make(num_pages=12, slots=12, host_slots=32)
+    a, b = tokens_of(1, 30), tokens_of(2, 30)
+    turn(table, mover, 1, a)
+    turn(table, mover, 2, b)  # takes the device pages: a's go to the host tier
+    assert table.residency(a).host > 0
+    back = turn(table, mover, 3, [*a, 5, 6])
+    assert back.cached.host > 0 and back.cached.total == 28  # its partial page was dropped
+
+
+def test_admission_waits_while_live_windows_fill_the_slots():
+    table, _, window = make(num_pages=32, slots=12)
+    assert window.admits(2) and not window.admits(3)
+    assert table.reserve(1, tokens_of(1, 10), count_as="prompt") is not None
+    assert table.reserve(2, tokens_of(2, 10), count_as="prompt") is not None
+    assert table.reserve(3, tokens_of(3, 10), count_as="prompt") is None
+    table.release(1)
+    assert table.reserve(3, tokens_of(3, 10), count_as="prompt") is not None
+    table.validate()
+
+
+def test_defragmentation_moves_a_page_with_its_window_slot():
+    table, mover, _ = make(num_pages=32, slots=12)
+    for seed in range(1, 4):
+        turn(table, mover, seed, tokens_of(seed, 22))
+    table.defragment(resuming=True)
+    table.validate()
+    again = turn(table, mover, 9, [*tokens_of(3, 22), 4])
+    assert again.cached.device == 22
