@@ -74,3 +74,20 @@ def test_a_page_reaches_the_host_and_disk_in_model_order_and_comes_back():
         mover.load_device(bare, 1)  # page 1 has a slot, but the copy has no part for it
         assert all(torch.equal(a, b) for a, b in zip(before, window.parts, strict=True))
         assert all(torch.equal(part[:, 1], part[:, 3]) for part in full.parts)
+
+
+def test_gemma_3_1b_shape_holds_about_2_7_times_the_tokens_in_the_same_memory():
+    from kvchat.engine.config import EngineConfig
+    from kvchat.engine.kv_cache import _split_pool
+    from kvchat.engine.tiers.kv_store import pages_for_bytes
+
+    windows = [None if (i + 1) % 6 == 0 else 512 for i in range(26)]
+    groups = LayerGroups.of(windows, 26)
+    assert len(groups.full) == 4
+    config = EngineConfig(page_size=256)
+    geometry = (256, 1, 256, torch.bfloat16)
+    pages, slots = _split_pool(1 << 30, groups, config, geometry)
+    before = pages_for_bytes(1 << 30, 26, *geometry)
+    assert 2.6 < pages / before < 2.8 and slots == int(0.25 * pages)
+    small_pages, small_slots = _split_pool(64 << 20, groups, config, geometry)
+    assert small_slots == small_pages + 1  # a slot for every page: nothing is let go
