@@ -165,3 +165,15 @@ def test_defragmentation_moves_a_page_with_its_window_slot():
     table.validate()
     again = turn(table, mover, 9, [*tokens_of(3, 22), 4])
     assert again.cached.device == 22
+
+
+def test_residency_counts_what_a_switch_would_compute_again_as_nowhere():
+    table, mover, window = make(num_pages=32, slots=12)
+    a = tokens_of(1, 30)
+    turn(table, mover, 1, a)
+    assert table.residency([*a, 1]).device == 30
+    for seed in (2, 3, 4):
+        turn(table, mover, 10 + seed, tokens_of(seed, 30))
+    assert window.let_go > 0
+    r = table.residency([*a, 1])
+    assert r.device < 30 and r.nowhere == 31 - r.device

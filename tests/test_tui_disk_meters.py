@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from textual.app import App, ComposeResult
 
 from kvchat.chat.engine_port import Residency
@@ -42,6 +44,21 @@ async def test_the_cache_panel_shows_the_disk_tier_and_its_evictions() -> None:
         meters.update_meters(stats(TierPages(), 0, 0), None, None)
         await pilot.pause()
         assert meters.values["pages"].rstrip().endswith("off")  # the tier turned off
+
+
+async def test_the_cache_panel_shows_the_window_slots_of_a_windowed_model() -> None:
+    app = MetersApp()
+    async with app.run_test() as pilot:
+        meters = app.query_one(Meters)
+        windowed = replace(stats(TierPages(), 0, 0), window=TierPages(8, 3, 4, 1))
+        meters.update_meters(windowed, None, None)
+        await pilot.pause()
+        lines = meters.values["pages"].splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("window"))
+        assert lines[at - 2].startswith("device") and lines[at + 1].strip() == "3/4/1"
+        meters.update_meters(stats(TierPages(), 0, 0), None, None)
+        await pilot.pause()
+        assert "window" not in meters.values["pages"]  # a model without windowed layers
 
 
 def test_the_residency_bar_shows_tokens_only_on_disk() -> None:

@@ -103,3 +103,13 @@ def test_the_window_comes_back_from_the_host_and_disk_tiers(folder, model, tmp_p
     with small_engine(model, **settings(model, pages=9, slots=9, host_cache_bytes=0, **disk)) as e:
         after = turn(e, follow_up)
         assert after.cached_tokens.disk >= 64 and after.generated_ids == tuple(expected)
+
+
+def test_the_stats_show_the_window_slots(model):
+    with small_engine(model, **settings(model, pages=40, slots=9, host_cache_bytes=0)) as engine:
+        turn(engine, conversation(1))
+        stats = engine.stats()
+        assert stats.window is not None and stats.window.capacity == 8
+        assert stats.window.active == 0 and stats.window.cached > 0
+        body = stats.to_json()
+        assert body["window_slots"]["capacity"] == 8 and body["window_let_go"] == 0

@@ -456,4 +456,6 @@ class Engine:
             prefill_tok_s=prefill_rate,
             page_size=self.config.page_size,
             time=now,
+            window=t.window,
+            window_let_go=self.table.window.let_go if self.table.window is not None else 0,
         )

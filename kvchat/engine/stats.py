@@ -75,6 +75,10 @@ class EngineStats:
     prefill_tok_s: float = 0.0
     page_size: int = 0
     time: float = 0.0
+    # a model whose windowed layers are kept apart: their slots (held, idle, free) and how
+    # many idle parts were let go for a slot another page wanted
+    window: TierPages | None = None
+    window_let_go: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -103,5 +107,7 @@ class EngineStats:
             "prefill_tok_s": self.prefill_tok_s,
             "page_size": self.page_size,
             "time": self.time,
+            "window_slots": asdict(self.window) if self.window is not None else None,
+            "window_let_go": self.window_let_go,
             "hit_rate": self.hit_rate,
         }

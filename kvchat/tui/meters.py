@@ -154,6 +154,10 @@ class Meters(Vertical):
                 used, cap = stats.disk_bytes.used, stats.disk_bytes.capacity
                 counts += f"\n       {format_size(used)} of {format_size(cap)}"
             lines.append(Content.assemble(f"{tier:<6} ", tier_bar(pages), f"\n       {counts}"))
+            window = getattr(stats, "window", None)
+            if tier == "device" and window is not None:  # the windowed layers' slots
+                counts = f"{window.active}/{window.cached}/{window.free}"
+                lines.append(Content.assemble("window ", tier_bar(window), f"\n       {counts}"))
         self._set("pages", Content("\n").join(lines))
 
         ev = stats.cache.evictions

@@ -379,11 +379,21 @@ class PageTable:
     # ---- cache queries and upkeep --------------------------------------------------------
 
     def residency(self, token_ids: Sequence[int]) -> Residency:
-        """Where this token history's K/V is, without changing any state (not even the clock)."""
+        """Where this token history's K/V is, without changing any state (not even the clock).
+
+        With windowed layers apart, what lies past the point where a switch would have to
+        start again (its window let go) counts as nowhere: it would be computed. Pages only
+        the disk holds are taken to have their part (their files are not read here)."""
         tokens = tuple(token_ids)
         walk = self._index.walk(
             tokens, len(tokens), self.salt, self.host, host_tail=False, disk=self.disk
         )
+        if self._window is not None:
+            start = self._window_cut(walk, {}, unread_disk_kept=True)
+            if start < len(walk.chain) * self.page_size + walk.tail_len:
+                walk = self._index.walk(
+                    tokens, start, self.salt, self.host, host_tail=False, disk=self.disk
+                )
         ps = self.page_size
         device = sum(ps for _, p in walk.chain if p is not None) + walk.tail_len
         lower = [h for h, p in walk.chain if p is None]
@@ -475,7 +485,8 @@ class PageTable:
         host = TierPages()
         if self.host is not None:
             host = TierPages(self.host.num_slots, 0, len(self.host), self.host.free_slots)
-        return PageTableStats(PerTier(device, host, TierPages()), self._counters)
+        window = self._window.usage() if self._window is not None else None
+        return PageTableStats(PerTier(device, host, TierPages()), self._counters, window)
 
     def page_info(self, index: int) -> PageInfo:
         return PageInfo.of(self._pages[index], indexed=self._index.is_indexed(index))
@@ -683,7 +694,9 @@ class PageTable:
         if self._window.can_give():
             self._window.give(p)
 
-    def _window_cut(self, walk: PrefixMatch, from_disk: dict[bytes, Any]) -> int:
+    def _window_cut(
+        self, walk: PrefixMatch, from_disk: dict[bytes, Any], *, unread_disk_kept: bool = False
+    ) -> int:
         """The most tokens of `walk` a sequence can start from: every page of the window
         before its first new token must have its window part somewhere (the device, the
         host, or the disk page's file). Else the match ends at the last full page where
@@ -698,6 +711,8 @@ class PageTable:
                     return window.has(p)
                 if h in from_disk:
                     return self._mover.window_of_parts(from_disk[h])
+                if unread_disk_kept and not self._tiers.on_host(h):
+                    return True
                 return self._tiers.window_on_host(h)
             if walk.tail_src is not None:
                 return window.has(walk.tail_src)

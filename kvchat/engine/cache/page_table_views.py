@@ -73,3 +73,4 @@ class PageTableStats:
 
     pages: PerTier[TierPages]  # disk: empty here (the disk tier counts its own pages)
     counters: CacheCounters
+    window: TierPages | None = None  # the windowed layers' slots, where they are apart

@@ -20,6 +20,8 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvchat.engine.stats import TierPages
+
 UNKEPT = 0  # the slot a page list names for a page whose window part was let go
 
 
@@ -76,6 +78,11 @@ class WindowSlots:
 
     def can_give(self) -> bool:
         return bool(self._free or self._idle)
+
+    def usage(self) -> TierPages:
+        """Slots as the meters show pages: held by a live sequence, idle, free."""
+        held = len(self._slot) - len(self._idle)
+        return TierPages(self.num_slots - 1, held, len(self._idle), len(self._free))
 
     @property
     def in_use(self) -> int:
