@@ -45,14 +45,15 @@ class DeltaNetShape:
     """A Gated DeltaNet layer's sizes, from the text config's `linear_*` keys.
 
     Key heads may be fewer than value heads: each key (and query) head serves
-    `num_v_heads // num_k_heads` consecutive value heads (Qwen3.5-27B: 16 and 48)."""
+    `num_v_heads // num_k_heads` consecutive value heads (16 and 32 in transformers'
+    defaults for both families)."""
 
     hidden_size: int
     num_k_heads: int  # linear_num_key_heads
     num_v_heads: int  # linear_num_value_heads
     head_k_dim: int  # linear_key_head_dim
     head_v_dim: int  # linear_value_head_dim
-    conv_kernel: int  # linear_conv_kernel_dim (4 in every released config)
+    conv_kernel: int  # linear_conv_kernel_dim (4 by default)
     rms_norm_eps: float
 
     @classmethod
@@ -93,9 +94,9 @@ class DeltaNetState:
     per value head, float32 whatever the activation dtype (transformers keeps it so;
     rounding it each token would drift over a long decode).
 
-    Both are the same size at every length: for Qwen3.5-27B's shape (Hk 16, Hv 48,
-    Dk = Dv = 128, K 4) a sequence holds 3 MiB of recurrent state and 60 KiB of
-    convolution state a layer."""
+    Both are the same size at every length: for transformers' default shape (Hk 16,
+    Hv 32, Dk = Dv = 128, K 4) a sequence holds 2 MiB of recurrent state and, in bf16,
+    48 KiB of convolution state a layer."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor
