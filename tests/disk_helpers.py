@@ -41,7 +41,9 @@ class FakeDisk:
     def __contains__(self, h: object) -> bool:
         return h in self.pages
 
-    def save(self, h: bytes, parent: bytes, tokens: tuple[int, ...], parts: Any) -> bool:
+    def save(
+        self, h: bytes, parent: bytes, tokens: tuple[int, ...], parts: Any, *, replace: bool = False
+    ) -> bool:
         if self.refuse or (self.capacity is not None and len(self.pages) >= self.capacity):
             return False
         self.pages[h] = (parent, tokens, list(parts))

@@ -276,8 +276,11 @@ class Scheduler:
         slots_free = self.config.max_batch - len(self.running)
         if prompts_pending or not self.type_aheads or slots_free <= 0:
             return
-        if plan.decodes:
-            budget = self.type_ahead_pacer.chunk(self.pacer.decode_step_s)
+        if plan.decodes:  # within the step's budget too, which the window slots are sized by
+            budget = min(
+                self.type_ahead_pacer.chunk(self.pacer.decode_step_s),
+                self.config.step_token_budget,
+            )
         else:
             budget = self.pacer.prefill_tokens(self.config.step_token_budget)
         if budget <= 0:

@@ -49,11 +49,13 @@ class GroupedAttention:
         page_lists: Sequence[Sequence[int]],
         window_page_lists: Sequence[Sequence[int]] | None = None,
     ) -> None:
-        """`window_page_lists`: each sequence's window slot for each of its pages (any
-        slot where the window part was let go: the windowed layers never read there);
-        None: the same as `page_lists`."""
+        """`window_page_lists`: each sequence's window slot for each of its pages (slot 0
+        where the part was let go: the windowed layers never read there), from
+        `PageTable.window_pages`, which also gives slots to the pages a step writes."""
+        if window_page_lists is None:
+            raise ValueError("a windowed store is read through the table's window slots")
         self.full.prepare(batch, page_lists)
-        self.windowed.prepare(batch, page_lists if window_page_lists is None else window_page_lists)
+        self.windowed.prepare(batch, window_page_lists)
 
     def __call__(
         self,

@@ -51,8 +51,11 @@ class DiskStore(Protocol):
 
     def __contains__(self, h: object) -> bool: ...
 
-    def save(self, h: bytes, parent: bytes, tokens: tuple[int, ...], parts: Any) -> bool:
-        """Keep page `h` (queued, written in the background); False if it cannot be kept."""
+    def save(
+        self, h: bytes, parent: bytes, tokens: tuple[int, ...], parts: Any, *, replace: bool = False
+    ) -> bool:
+        """Keep page `h` (queued, written in the background); False if it cannot be kept.
+        A page already kept stays as it is, unless `replace`."""
         ...
 
     def load(self, h: bytes) -> Any | None:
@@ -75,12 +78,17 @@ class LowerTiers:
         *,
         anchored: Callable[[bytes], bool],
         count: Callable[[EvictionKind], None],
+        window_of: Callable[[int], bool] | None = None,
     ) -> None:
         self.host = host
         self.disk = disk
         self._mover = mover
         self._anchored = anchored  # whether a hash outside the host still leads to the root
         self._count = count
+        # whether a device page holds its windowed layers' part (None: no windowed store)
+        self._window_of = window_of
+        # pages this process wrote to disk without their part: a copy with it replaces them
+        self._partless_on_disk: set[bytes] = set()
 
     # ---- lookups -------------------------------------------------------------------------
 
@@ -141,6 +149,11 @@ class LowerTiers:
         if self.host is not None:
             if h in self.host:
                 self.host.touch(h, last_used)  # already there: no copy needed
+                entry = self.host.get(h)
+                assert entry is not None
+                gains_part = self._window_of is not None and self._window_of(device_page)
+                if gains_part and not self._mover.window_of_host(entry.slot):
+                    self._mover.device_to_host(device_page, entry.slot)  # now with its part
                 self._count("device_to_host")
                 return
             slot = self.host.put(
@@ -156,10 +169,10 @@ class LowerTiers:
                 self._mover.device_to_host(device_page, slot)
                 self._count("device_to_host")
                 return
-        if self.disk is not None and (
-            h in self.disk
-            or self.disk.save(h, parent, tokens, self._mover.snapshot_device(device_page))
-        ):
+        if self._keep_on_disk(
+            h, parent, tokens, lambda: self._mover.snapshot_device(device_page),
+            has_part=self._device_part(device_page),
+        ):  # fmt: skip
             self._count("device_to_disk")
             return
         self._count("device_dropped")
@@ -170,25 +183,51 @@ class LowerTiers:
         if self.disk is None:
             return
         for i, (h, parent, tokens, device_page) in enumerate(pages):
-            if h in self.disk:
-                if i == 0:
-                    self.disk.touch(h)  # a tree's order of use is its root's
-                continue
-            self.disk.save(h, parent, tokens, self._mover.snapshot_device(device_page))
+            if i == 0 and h in self.disk:
+                self.disk.touch(h)  # a tree's order of use is its root's
+            self._keep_on_disk(
+                h, parent, tokens, lambda p=device_page: self._mover.snapshot_device(p),
+                has_part=self._device_part(device_page),
+            )  # fmt: skip
 
     def _leaving_host(self, h: bytes, slot: int) -> None:
         """A host slot is about to be reused: its page goes to disk first unless already there."""
         assert self.host is not None
-        kept = False
-        if self.disk is not None:
-            kept = h in self.disk
-            if not kept:
-                entry = self.host.get(h)
-                assert entry is not None
-                kept = self.disk.save(
-                    h, entry.parent, entry.tokens, self._mover.snapshot_host(slot)
-                )
+        entry = self.host.get(h)
+        assert entry is not None
+        kept = self._keep_on_disk(
+            h, entry.parent, entry.tokens, lambda: self._mover.snapshot_host(slot),
+            has_part=self._window_of is not None and self._mover.window_of_host(slot),
+        )  # fmt: skip
         self._count("host_to_disk" if kept else "host_dropped")
+
+    def _device_part(self, device_page: int) -> bool:
+        return self._window_of is not None and self._window_of(device_page)
+
+    def _keep_on_disk(
+        self,
+        h: bytes,
+        parent: bytes,
+        tokens: tuple[int, ...],
+        snapshot: Callable[[], Any],
+        *,
+        has_part: bool,
+    ) -> bool:
+        """Page `h` to disk unless it is there already (True: it is on disk now or queued).
+        A copy this process wrote without its windowed layers' part is replaced by one
+        with it: else a conversation whose window was computed again would find only the
+        copy without, and compute it again at every switch."""
+        if self.disk is None:
+            return False
+        if h in self.disk:
+            upgrade = has_part and h in self._partless_on_disk
+            if upgrade and self.disk.save(h, parent, tokens, snapshot(), replace=True):
+                self._partless_on_disk.discard(h)
+            return True
+        kept = self.disk.save(h, parent, tokens, snapshot())
+        if kept and self._window_of is not None and not has_part:
+            self._partless_on_disk.add(h)
+        return kept
 
     # ---- checking ------------------------------------------------------------------------
 

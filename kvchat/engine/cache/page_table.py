@@ -86,10 +86,15 @@ class PageTable:
         self._seqs: dict[int, SeqPages] = {}
         self._clock = 0  # logical: one tick per operation
         self._counters = CacheCounters()
-        self._tiers = LowerTiers(
-            host, disk, mover, anchored=self._anchored, count=self._count_eviction
-        )
         self._window = window
+        self._tiers = LowerTiers(
+            host,
+            disk,
+            mover,
+            anchored=self._anchored,
+            count=self._count_eviction,
+            window_of=window.has if window is not None else None,
+        )
 
     @property
     def host(self) -> HostTier | None:
@@ -175,8 +180,9 @@ class PageTable:
                 on_device += ps
             elif h in plan.from_disk:  # read back from the disk tier
                 p = next(fresh)
-                if window is not None and len(pages) >= window_from:
-                    self._hold_window(p, self._mover.window_of_parts(plan.from_disk[h]))
+                if window is not None:
+                    has_part = self._mover.window_of_parts(plan.from_disk[h])
+                    self._restore_window(p, has_part, held=len(pages) >= window_from)
                 self._tiers.restore_from_disk(plan.from_disk[h], p)
                 start = len(pages) * ps
                 self._index_restored(p, h, parent, tokens[start : start + ps], clock)
@@ -184,8 +190,9 @@ class PageTable:
                 on_disk += ps
             else:  # restored from the host tier
                 p = next(fresh)
-                if window is not None and len(pages) >= window_from:
-                    self._hold_window(p, self._tiers.window_on_host(h))
+                if window is not None:
+                    has_part = self._tiers.window_on_host(h)
+                    self._restore_window(p, has_part, held=len(pages) >= window_from)
                 entry = self._tiers.restore_from_host(h, p, clock)
                 self._index_restored(p, h, entry.parent, entry.tokens, clock)
                 self._pages[p].refcount = 1
@@ -437,15 +444,18 @@ class PageTable:
             self._pages[p].last_used = clock
         fresh = self._allocate(k, on_device, {h for h, _ in walk.chain})
         window = self._window
-        for (h, parent, page_tokens), p in zip(wanted, fresh, strict=True):
+        # the pages a switch to this history reads with its windowed layers: their parts
+        # come back even if idle parts of others must make room, the rest while slots are free
+        window_from = window.first_page(len(tokens) - 1) if window is not None else 0
+        for i, ((h, parent, page_tokens), p) in enumerate(zip(wanted, fresh, strict=True)):
             if h in from_disk:
                 if window is not None and self._mover.window_of_parts(from_disk[h]):
-                    self._keep_window_idle(p)
+                    self._keep_window_idle(p, let_go=i >= window_from)
                 self._tiers.restore_from_disk(from_disk[h], p)
                 self._index_restored(p, h, parent, page_tokens, clock)
             else:
                 if window is not None and self._tiers.window_on_host(h):
-                    self._keep_window_idle(p)
+                    self._keep_window_idle(p, let_go=i >= window_from)
                 entry = self._tiers.restore_from_host(h, p, clock)
                 self._index_restored(p, h, entry.parent, entry.tokens, clock)
             self._cached.add(p)
@@ -688,11 +698,21 @@ class PageTable:
         if self._window.has(p):
             self._window.ref(p)
 
-    def _keep_window_idle(self, p: int) -> None:
-        """A prefetched page's window part comes back too, as cache, where a slot can be had."""
+    def _keep_window_idle(self, p: int, *, let_go: bool) -> None:
+        """A restored page's window part comes back too, as cache: in a free slot, or
+        (`let_go`) in the longest idle part's."""
         assert self._window is not None
-        if self._window.can_give():
+        if self._window.has_free() or (let_go and self._window.can_give()):
             self._window.give(p)
+
+    def _restore_window(self, p: int, has_part: bool, *, held: bool) -> None:
+        """A page an admitted sequence restores: within its window (`held`), its part
+        comes back and is held; behind it, the part comes back idle while a slot is free
+        (a fork of this history may need it)."""
+        if held:
+            self._hold_window(p, has_part)
+        elif has_part:
+            self._keep_window_idle(p, let_go=False)
 
     def _window_cut(
         self, walk: PrefixMatch, from_disk: dict[bytes, Any], *, unread_disk_kept: bool = False

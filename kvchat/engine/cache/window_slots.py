@@ -79,6 +79,9 @@ class WindowSlots:
     def can_give(self) -> bool:
         return bool(self._free or self._idle)
 
+    def has_free(self) -> bool:
+        return bool(self._free)
+
     def usage(self) -> TierPages:
         """Slots as the meters show pages: held by a live sequence, idle, free."""
         held = len(self._slot) - len(self._idle)

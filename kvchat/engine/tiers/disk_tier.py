@@ -144,11 +144,18 @@ class DiskTier:
             return h in self._pending or h in self.index
 
     def save(
-        self, h: bytes, parent: bytes, tokens: tuple[int, ...], parts: list[torch.Tensor]
+        self,
+        h: bytes,
+        parent: bytes,
+        tokens: tuple[int, ...],
+        parts: list[torch.Tensor],
+        *,
+        replace: bool = False,
     ) -> bool:
-        """Queue page `h` for writing (`parts` are CPU copies); True if it is or will be on disk."""
+        """Queue page `h` for writing (`parts` are CPU copies); True if it is or will be on
+        disk. A page on disk already stays as it is, unless `replace` (a newer copy)."""
         with self._lock:
-            if h in self._pending or h in self.index:
+            if h in self._pending or (h in self.index and not replace):
                 return True
             if (
                 self.notice is not None

@@ -207,8 +207,9 @@ class KVPageMover:
 
     With a windowed store (`layer_groups`), a page's windowed layers live in that store at
     the slot `window_slots` gives the page, or nowhere (the part was let go). The host and
-    disk tiers keep every layer in the model's order, zeros where a page had no window
-    part, and a flag that says whether it had (`window_of_host`, `window_of_parts`).
+    disk tiers keep every layer in the model's order (a snapshot has zeros where a page had
+    no window part, a host slot whatever it held before) and a flag that says whether it
+    had (`window_of_host`, `window_of_parts`).
     """
 
     def __init__(
@@ -350,6 +351,7 @@ class KVPageMover:
 
     def load_device(self, parts: list[torch.Tensor], device_page: int) -> None:
         """Copy a page read from disk or the host (`snapshot_*` layout) into a device page."""
+        self.wait_for_copies()  # an eviction's copy may still read the page or slot it reuses
         if self._full_layers is None:
             for d, t in zip(self.device_store.parts, parts, strict=True):
                 d[:, device_page].copy_(t)
