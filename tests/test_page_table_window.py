@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
 from kvchat.engine.cache.page_table import PageTable
 from kvchat.engine.cache.window_slots import UNKEPT, WindowSlots
 from kvchat.engine.tiers.host_tier import HostTier
+from tests.disk_helpers import FakeDisk, WindowDiskMover
 from tests.page_table_helpers import PS, SALT, WindowFakeMover, assert_data
 
 WINDOW = 6  # a query reads itself and 5 positions back: 2 or 3 pages of 4
@@ -135,3 +138,55 @@ def test_defragmentation_moves_a_page_with_its_window_slot():
     table.validate()
     again = turn(table, mover, 9, [*tokens_of(3, 22), 4])
     assert again.cached.device == 22
+
+
+# ---- known bug: a lower tier's copy without its window part is never replaced ----------
+#
+# `LowerTiers.keep` (device -> host or disk) and `save_released` (-> disk) do nothing when
+# the tier already holds the page's hash. When that copy left the device without its window
+# part (it had been let go), a later device copy of the same page that has the part (it
+# was recomputed after the match was cut) is not copied down: the tier keeps saying "no
+# window part", so every switch back cuts the match again and recomputes the window (here
+# the whole conversation), although nothing was let go since. The device side handles this
+# case (`PageTable._window_replaces`); the tiers do not. Both tests below FAIL on purpose
+# (xfail, strict): they pass once the tiers keep the better copy.
+
+
+def _evict_everything(table: PageTable, seq_id: int, seed: int) -> None:
+    """A prompt that needs every device page (92 tokens: 24 pages) comes and goes."""
+    assert table.reserve(seq_id, tokens_of(seed, 92), count_as="prompt") is not None
+    table.release(seq_id)
+    table.validate()
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: host copy without window part kept")
+def test_a_window_recomputed_after_a_cut_reaches_the_host_tier():
+    table, mover, window = make(num_pages=24, slots=12, host_slots=64)
+    a = tokens_of(1, 30)
+    turn(table, mover, 1, a)
+    for seed in (2, 3, 4):  # short conversations take a's idle window parts
+        turn(table, mover, 10 + seed, tokens_of(seed, 12))
+    _evict_everything(table, 20, 5)  # a's pages go to the host, most without their part
+    first = turn(table, mover, 21, [*a, 5])
+    assert first.cached.total == 0  # cut back: a is recomputed, its window with it
+    let_go = window.let_go
+    _evict_everything(table, 22, 6)  # a's pages go to the host again, now with their parts
+    assert window.let_go == let_go and table.residency(a).host == 28
+    again = turn(table, mover, 23, [*a, 6])
+    assert again.cached.host == 28  # fails: 0, the host copies still have no window part
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: disk copy without window part kept")
+def test_a_window_recomputed_after_a_cut_reaches_the_disk_tier():
+    window = WindowSlots(12, WINDOW, PS, CHUNK, 24)
+    mover = WindowDiskMover(24, 0, window)
+    table = PageTable(24, PS, SALT, None, mover, FakeDisk(), window)
+    a = tokens_of(1, 60)
+    turn(table, mover, 1, a)  # its first pages' parts are let go as it is computed...
+    fork = a[:20]  # ...and its release saves them to disk without
+    first = turn(table, mover, 2, [*fork, 50])
+    assert first.cached.total == 0  # cut back: the fork's pages are recomputed, with parts
+    _evict_everything(table, 3, 5)  # they leave the device, each with its part
+    assert table.residency(fork).disk == 20
+    again = turn(table, mover, 4, [*fork, 51])
+    assert again.cached.disk == 20  # fails: 0, the disk copies still have no window part
