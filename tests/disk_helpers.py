@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.page_table_helpers import FakeMover
+from tests.page_table_helpers import FakeMover, WindowFakeMover
 
 
 class DiskMover(FakeMover):
@@ -25,6 +25,32 @@ class DiskMover(FakeMover):
     def load_device(self, parts: Any, device_page: int) -> None:
         self.calls.append(("load", -1, device_page))
         self.dev[device_page] = list(parts)
+
+
+class WindowDiskMover(WindowFakeMover):
+    """`WindowFakeMover` plus the disk tier's copies: a page's data is its slots' prefixes
+    and its window part's (None where the page had none), as the real mover's flag says."""
+
+    def snapshot_device(self, device_page: int) -> Any:
+        self.calls.append(("snap-d", device_page, -1))
+        ws = self.window.slot(device_page)
+        return list(self.dev[device_page]), None if ws is None else list(self.win[ws])
+
+    def snapshot_host(self, host_slot: int) -> Any:
+        self.calls.append(("snap-h", host_slot, -1))
+        part = self.host_win[host_slot]
+        return list(self.host[host_slot]), None if part is None else list(part)
+
+    def load_device(self, parts: Any, device_page: int) -> None:
+        self.calls.append(("load", -1, device_page))
+        full, part = parts
+        self.dev[device_page] = list(full)
+        ws = self.window.slot(device_page)
+        if ws is not None and part is not None:
+            self.win[ws] = list(part)
+
+    def window_of_parts(self, parts: Any) -> bool:
+        return parts[1] is not None
 
 
 class FakeDisk:

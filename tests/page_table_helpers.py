@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from kvchat.engine.cache.page_hash import root_salt
 from kvchat.engine.cache.page_table import PageTable, Reservation
+from kvchat.engine.cache.window_slots import WindowSlots
 from kvchat.engine.tiers.host_tier import HostTier
 
 PS = 4
@@ -49,6 +50,36 @@ class FakeMover:
 
     def count(self, kind: str) -> int:
         return sum(1 for c in self.calls if c[0] == kind)
+
+
+class WindowFakeMover(FakeMover):
+    """`FakeMover` with the windowed layers' store: a list of slots per window slot."""
+
+    def __init__(self, num_pages: int, num_slots: int, window: WindowSlots) -> None:
+        super().__init__(num_pages, num_slots)
+        self.window = window
+        self.win: list[list[Slot]] = [[None] * PS for _ in range(window.num_slots)]
+        self.host_win: list[list[Slot] | None] = [None] * num_slots
+
+    def device_to_host(self, device_page: int, host_slot: int) -> None:
+        super().device_to_host(device_page, host_slot)
+        ws = self.window.slot(device_page)
+        self.host_win[host_slot] = None if ws is None else list(self.win[ws])
+
+    def host_to_device(self, host_slot: int, device_page: int) -> None:
+        super().host_to_device(host_slot, device_page)
+        ws, part = self.window.slot(device_page), self.host_win[host_slot]
+        if ws is not None and part is not None:
+            self.win[ws] = list(part)
+
+    def copy_tokens(self, src_page: int, dst_page: int, n_tokens: int) -> None:
+        super().copy_tokens(src_page, dst_page, n_tokens)
+        src, dst = self.window.slot(src_page), self.window.slot(dst_page)
+        if src is not None and dst is not None:
+            self.win[dst][:n_tokens] = self.win[src][:n_tokens]
+
+    def window_of_host(self, host_slot: int) -> bool:
+        return self.host_win[host_slot] is not None
 
 
 def make(

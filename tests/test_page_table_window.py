@@ -14,40 +14,11 @@ from collections.abc import Sequence
 from kvchat.engine.cache.page_table import PageTable
 from kvchat.engine.cache.window_slots import UNKEPT, WindowSlots
 from kvchat.engine.tiers.host_tier import HostTier
-from tests.page_table_helpers import PS, SALT, FakeMover, Slot, assert_data
+from tests.disk_helpers import FakeDisk, WindowDiskMover
+from tests.page_table_helpers import PS, SALT, WindowFakeMover, assert_data
 
 WINDOW = 6  # a query reads itself and 5 positions back: 2 or 3 pages of 4
 CHUNK = 8  # tokens a step writes at most
-
-
-class WindowFakeMover(FakeMover):
-    """`FakeMover` with the windowed layers' store: a list of slots per window slot."""
-
-    def __init__(self, num_pages: int, num_slots: int, window: WindowSlots) -> None:
-        super().__init__(num_pages, num_slots)
-        self.window = window
-        self.win: list[list[Slot]] = [[None] * PS for _ in range(window.num_slots)]
-        self.host_win: list[list[Slot] | None] = [None] * num_slots
-
-    def device_to_host(self, device_page: int, host_slot: int) -> None:
-        super().device_to_host(device_page, host_slot)
-        ws = self.window.slot(device_page)
-        self.host_win[host_slot] = None if ws is None else list(self.win[ws])
-
-    def host_to_device(self, host_slot: int, device_page: int) -> None:
-        super().host_to_device(host_slot, device_page)
-        ws, part = self.window.slot(device_page), self.host_win[host_slot]
-        if ws is not None and part is not None:
-            self.win[ws] = list(part)
-
-    def copy_tokens(self, src_page: int, dst_page: int, n_tokens: int) -> None:
-        super().copy_tokens(src_page, dst_page, n_tokens)
-        src, dst = self.window.slot(src_page), self.window.slot(dst_page)
-        if src is not None and dst is not None:
-            self.win[dst][:n_tokens] = self.win[src][:n_tokens]
-
-    def window_of_host(self, host_slot: int) -> bool:
-        return self.host_win[host_slot] is not None
 
 
 def make(num_pages: int, slots: int, host_slots: int | None = None):
@@ -177,3 +148,49 @@ def test_residency_counts_what_a_switch_would_compute_again_as_nowhere():
     assert window.let_go > 0
     r = table.residency([*a, 1])
     assert r.device < 30 and r.nowhere == 31 - r.device
+
+
+# ---- a lower tier's copy without its window part is replaced by one with it -------------
+#
+# When a tier's copy left the device without its window part (it had been let go), a later
+# device copy of the same page with the part (computed again after the match was cut) must
+# reach the tier, or every switch back would cut the match again and compute the window
+# (here the whole conversation) again.
+
+
+def _evict_everything(table: PageTable, seq_id: int, seed: int) -> None:
+    """A prompt that needs every device page (92 tokens: 24 pages) comes and goes."""
+    assert table.reserve(seq_id, tokens_of(seed, 92), count_as="prompt") is not None
+    table.release(seq_id)
+    table.validate()
+
+
+def test_a_window_recomputed_after_a_cut_reaches_the_host_tier():
+    table, mover, window = make(num_pages=24, slots=12, host_slots=64)
+    a = tokens_of(1, 30)
+    turn(table, mover, 1, a)
+    for seed in (2, 3, 4):  # short conversations take a's idle window parts
+        turn(table, mover, 10 + seed, tokens_of(seed, 12))
+    _evict_everything(table, 20, 5)  # a's pages go to the host, most without their part
+    first = turn(table, mover, 21, [*a, 5])
+    assert first.cached.total == 0  # cut back: a is recomputed, its window with it
+    let_go = window.let_go
+    _evict_everything(table, 22, 6)  # a's pages go to the host again, now with their parts
+    assert window.let_go == let_go and table.residency(a).host == 28
+    again = turn(table, mover, 23, [*a, 6])
+    assert again.cached.host == 28
+
+
+def test_a_window_recomputed_after_a_cut_reaches_the_disk_tier():
+    window = WindowSlots(12, WINDOW, PS, CHUNK, 24)
+    mover = WindowDiskMover(24, 0, window)
+    table = PageTable(24, PS, SALT, None, mover, FakeDisk(), window)
+    a = tokens_of(1, 60)
+    turn(table, mover, 1, a)  # its first pages' parts are let go as it is computed...
+    fork = a[:20]  # ...and its release saves them to disk without
+    first = turn(table, mover, 2, [*fork, 50])
+    assert first.cached.total == 0  # cut back: the fork's pages are recomputed, with parts
+    _evict_everything(table, 3, 5)  # they leave the device, each with its part
+    assert table.residency(fork).disk == 20
+    again = turn(table, mover, 4, [*fork, 51])
+    assert again.cached.disk == 20
