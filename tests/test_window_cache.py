@@ -83,7 +83,7 @@ def test_a_switch_back_computes_only_what_is_new_and_a_lost_window_is_recomputed
         assert window.let_go > 0
         lost = turn(engine, follow_up)
         assert lost.cached_tokens.device < 72 and lost.generated_ids == tuple(expected)
-        engine.table.validate()
+        engine.validate_cache()
 
 
 def test_the_window_comes_back_from_the_host_and_disk_tiers(folder, model, tmp_path):
@@ -134,4 +134,4 @@ def test_a_type_ahead_beside_a_stream_stays_within_the_slots(model):
         engine.type_ahead(draft, progress)
         assert progress.wait_done().ready_tokens == len(draft)
         assert stream.wait().error is None
-        engine.table.validate()
+        engine.validate_cache()
