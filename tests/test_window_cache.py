@@ -67,11 +67,15 @@ def conversation(seed: int, n: int = 72) -> list[int]:
     return [(seed * 13 + 7 * i) % 400 + 3 for i in range(n)]
 
 
-def test_a_switch_back_computes_only_what_is_new_and_a_lost_window_is_recomputed(folder, model):
+@pytest.mark.parametrize("attention", ["native", "sdpa", "flex"])
+def test_a_switch_back_computes_only_what_is_new_and_a_lost_window_is_recomputed(
+    folder, model, attention
+):
     a = conversation(1)
     follow_up = [*a, 17, 23, 29]
     expected = theirs(folder, follow_up)
-    with small_engine(model, **settings(model, pages=40, slots=9, host_cache_bytes=0)) as engine:
+    config = settings(model, pages=40, slots=9, host_cache_bytes=0, attention=attention)
+    with small_engine(model, **config) as engine:
         window = engine.table.window
         assert window is not None and not window.unbounded
         assert engine.window_store is not None and engine.window_store.num_pages == 9

@@ -40,6 +40,7 @@ from kvchat.engine.request import FinishReason, GenerationRequest
 from kvchat.engine.sampling import sample_step
 from kvchat.engine.scheduler import Scheduler, StepPlan
 from kvchat.engine.sequence import Sequence
+from kvchat.engine.sequence_states import SequenceStates
 from kvchat.engine.stats import DiskBytes, EngineStats, Residency, TierPages
 from kvchat.engine.tiers.disk_tier import DiskTier
 from kvchat.model.batch import ForwardBatch
@@ -101,7 +102,6 @@ class Engine:
             self.config,
             self.max_context,
             busy=lambda: bool(self.scheduler.running or self.scheduler.waiting),
-            split_windowed=self.attention_kind != "flex",
         )
         self.store, self.host_store, self.mover = cache.store, cache.host_store, cache.mover
         self.window_store = cache.window_store  # the windowed layers', where they are apart
@@ -118,6 +118,9 @@ class Engine:
         if self.transformer.device.type == "cpu":
             native_build.request()  # in the background: torch's kernels serve until it loads
         self.scheduler = Scheduler(self.config, self.table, self.max_context)
+        # a hybrid model's linear layers: each live sequence's state between its steps
+        linear = mc.num_layers - mc.kv_layers
+        self.sequence_states = SequenceStates(linear) if linear else None
         self.stop_ids = frozenset(self.tokenizer.stop_token_ids)
 
         self._lock = threading.Lock()  # guards the page table and the inbox
@@ -332,7 +335,14 @@ class Engine:
             else:
                 self.attention.prepare(step.batch, step.page_lists, step.window_page_lists)
             self.mover.wait_for_copies()  # pages restored from the host tier (CUDA)
-            logits = self.transformer.forward(step.batch, self.attention)
+            if self.sequence_states is None:
+                logits = self.transformer.forward(step.batch, self.attention)
+            else:  # a hybrid model: its linear layers continue each sequence's state
+                runs = step.plan.runs
+                states = self.sequence_states.for_step(
+                    [seq.id for seq, _ in runs], [seq.num_computed for seq, _ in runs]
+                )
+                logits = self.transformer.forward(step.batch, self.attention, states)
         except Exception as exc:  # fail this step's sequences, keep serving the others
             log.exception("forward pass failed")
             with self._lock:
@@ -344,6 +354,8 @@ class Engine:
         """The scheduler moves every run on (tokens, events, pacers); then the stats."""
         with self._lock:
             done = self.scheduler.postprocess(step.plan, sampled, started)
+            if self.sequence_states is not None:
+                self.sequence_states.forget_ended(self.table.is_live)
             self._rates.add(done.ended, done.decode_tokens, done.prefill_tokens, started=started)
             self._publish_stats()
 

@@ -58,21 +58,24 @@ def build_kv_cache(
 ) -> KVCache:
     """The cache for `model` (a `LoadedModel`) running contexts of up to `context`
     tokens; `busy` tells the disk tier's writer when requests run (it holds back then).
-    `split_windowed`: keep windowed layers apart (`layer_groups`); FlexAttention's block
-    tables map each physical page to one position of a sequence, so it keeps them whole."""
+    `split_windowed`: keep windowed layers apart (`layer_groups`)."""
     mc, transformer = model.config, model.transformer
     device, dtype = transformer.device, transformer.dtype
     default_dev, default_host = default_cache_bytes(device)
     dev_bytes = config.device_cache_bytes or default_dev
     host_bytes = default_host if config.host_cache_bytes is None else config.host_cache_bytes
     ps, kv_format = config.page_size, config.kv_format
-    geometry = (mc.num_layers, ps, mc.num_kv_heads, mc.head_dim, dtype)
-    groups = LayerGroups.of(mc.layer_windows if split_windowed else None, mc.num_layers)
+    # a hybrid model's linear layers keep a state per sequence, not K/V (`sequence_states`);
+    # until that state is kept at page ends, none of its prefixes can be reused, so it has
+    # no host or disk tier and its table starts every sequence from its first token
+    hybrid = mc.kv_layers != mc.num_layers
+    geometry = (mc.kv_layers, ps, mc.num_kv_heads, mc.head_dim, dtype)
+    groups = LayerGroups.of(mc.layer_windows if split_windowed else None, mc.kv_layers)
     num_pages = pages_for_bytes(dev_bytes, *geometry, kv_format)
     window_slots = 0
     if groups.split:
         num_pages, window_slots = _split_pool(dev_bytes, groups, config, geometry[1:])
-    host_slots = pages_for_bytes(host_bytes, *geometry, kv_format)
+    host_slots = 0 if hybrid else pages_for_bytes(host_bytes, *geometry, kv_format)
     if num_pages < 2:
         raise KvchatError(
             f"The device cache ({dev_bytes} bytes) holds fewer than 2 pages of "
@@ -91,16 +94,18 @@ def build_kv_cache(
     # keys rotated by another of LongRoPE's frequency sets are other keys
     rotary_set = transformer.fit_context(context)
     fingerprint = model.fingerprint + (f"-rope-{rotary_set}" if rotary_set else "")
+    if groups.split:  # its disk pages carry a flag those of a store kept whole lack
+        fingerprint += "-windowed-apart"
     salt = root_salt(fingerprint, dtype_name(dtype), kv_format)
     mover = KVPageMover(store, host_store, window_store, groups, window)
     disk = None
-    if config.disk_cache_bytes > 0:
+    if config.disk_cache_bytes > 0 and not hybrid:
         from kvchat.paths import app_paths
 
         fmt = DiskPageFormat(
             salt,
             ps,
-            mc.num_layers,
+            mc.kv_layers,
             mc.num_kv_heads,
             mc.head_dim,
             dtype_name(dtype),
@@ -109,9 +114,8 @@ def build_kv_cache(
         )
         root = config.disk_cache_dir or app_paths().kv_cache_dir
         disk = DiskTier(root, fmt, config.disk_cache_bytes, busy=busy)
-    table = PageTable(
-        num_pages, ps, salt, HostTier(host_slots) if host_slots else None, mover, disk, window
-    )
+    host = HostTier(host_slots) if host_slots else None
+    table = PageTable(num_pages, ps, salt, host, mover, disk, window, prefix_reuse=not hybrid)
     return KVCache(store, window_store, groups, host_store, mover, disk, table)
 
 

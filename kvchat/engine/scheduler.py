@@ -272,6 +272,10 @@ class Scheduler:
 
     def _schedule_type_ahead(self, plan: StepPlan) -> None:
         """Reserve the oldest type-ahead's next chunk as the plan's last run, if one may run."""
+        if not self.table.prefix_reuse:  # nothing it computes could be reused: done at once
+            for seq in list(self.type_aheads.values()):
+                self.finish(seq, FinishReason.STOP)
+            return
         prompts_pending = bool(self.waiting) or plan.decodes < len(plan.runs)
         slots_free = self.config.max_batch - len(self.running)
         if prompts_pending or not self.type_aheads or slots_free <= 0:

@@ -136,6 +136,11 @@ class ModelConfig:
         embeddings scaled by sqrt(hidden)."""
         return self.model_type == GEMMA3
 
+    @property
+    def kv_layers(self) -> int:
+        """Layers that keep K/V in the cache (every layer of these families)."""
+        return self.num_layers
+
     def layer_window(self, index: int) -> int | None:
         """The tokens layer `index` attends to back from each query (itself included);
         None: all of them."""

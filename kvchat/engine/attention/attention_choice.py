@@ -50,19 +50,23 @@ def resolve_attention(
     return choice
 
 
-def make_attention(store, choice: str, *, max_batch: int = 16, window_store=None, groups=None):
+def make_attention(
+    store, choice: str, *, max_batch: int = 16, window_store=None, groups=None, unkept_slot=None
+):
     """The `Attention` of a forward pass over a `DeviceKVStore`, for a resolved `choice`;
     with a `window_store` (the windowed layers', `groups` saying which), over both."""
     if window_store is not None:
         from kvchat.engine.attention.grouped_attention import GroupedAttention
 
         full = make_attention(store, choice, max_batch=max_batch)
-        windowed = make_attention(window_store, choice, max_batch=max_batch)
+        from kvchat.engine.cache.window_slots import UNKEPT
+
+        windowed = make_attention(window_store, choice, max_batch=max_batch, unkept_slot=UNKEPT)
         return GroupedAttention(full, windowed, groups)
     if choice == "flex":
         from kvchat.engine.attention.flex_attention import FlexPagedAttention
 
-        return FlexPagedAttention.for_store(store, max_batch=max_batch)
+        return FlexPagedAttention.for_store(store, max_batch=max_batch, unkept_slot=unkept_slot)
     from kvchat.engine.attention.paged_attention import PagedAttention
 
     attention = PagedAttention.for_store(store)

@@ -111,7 +111,7 @@ class _Blocks:
 class _Step:
     """What one forward's block masks are built from (tensors on the device)."""
 
-    page_matrix: torch.Tensor  # [Bp, pages]: row b is sequence b's page list
+    page_matrix: torch.Tensor  # [Bp, >= pages]: row b is sequence b's page list
     starts: torch.Tensor  # [B] each sequence's first new position
     lens: torch.Tensor  # [B] its new tokens
     rows: int  # query blocks per sequence
@@ -123,9 +123,19 @@ class _Step:
 class FlexPagedAttention:
     """The `Attention` of a forward pass over a `DeviceKVStore`, through FlexAttention."""
 
-    def __init__(self, k_all: torch.Tensor, v_all: torch.Tensor, max_batch: int = 16):
+    def __init__(
+        self,
+        k_all: torch.Tensor,
+        v_all: torch.Tensor,
+        max_batch: int = 16,
+        unkept_slot: int | None = None,
+    ):
         """K/V stores `[layers, pages, S, Hkv, D]` in the compute dtype; `max_batch`
-        sequences a step carries at most (more are served, at the cost of a compile)."""
+        sequences a step carries at most (more are served, at the cost of a compile).
+        `unkept_slot`: a windowed layers' store (`cache.window_slots`), whose page lists
+        name this slot for every page whose part was let go: it maps to no position, and
+        a sequence's list may be longer than the store has slots."""
+        self.unkept_slot = unkept_slot
         self.k_all = k_all
         self.v_all = v_all
         layers, pages, S, Hkv, D = k_all.shape
@@ -162,7 +172,9 @@ class FlexPagedAttention:
         self._padded_shape: tuple[int, int] = (0, 0)  # (Bp, Lq)
 
     @classmethod
-    def for_store(cls, store, max_batch: int = 16) -> FlexPagedAttention:
+    def for_store(
+        cls, store, max_batch: int = 16, unkept_slot: int | None = None
+    ) -> FlexPagedAttention:
         """Over a `kv_store.DeviceKVStore` of the native KV format.
 
         The store is zeroed first: a masked slot of a page still goes through the kernel's
@@ -171,7 +183,7 @@ class FlexPagedAttention:
         check_kv_format(store.kv_format)
         for part in store.parts:
             part.zero_()
-        return cls(store.k_all, store.v_all, max_batch)
+        return cls(store.k_all, store.v_all, max_batch, unkept_slot)
 
     def uses_native(self) -> bool:
         return False
@@ -201,7 +213,8 @@ class FlexPagedAttention:
         starts_t = totals_t - lens_t  # each sequence's first new position
         seq_of_page = _runs_index(used_t, len(flat_list))
         logical = torch.arange(len(flat_list), device=device) - _run_starts(used_t)[seq_of_page]
-        page_matrix = torch.zeros(Bp, self.num_pages, dtype=torch.long, device=device)
+        width = max(self.num_pages, *used)  # a windowed store's lists outgrow its slots
+        page_matrix = torch.zeros(Bp, width, dtype=torch.long, device=device)
         page_matrix[seq_of_page, logical] = flat  # [Bp, W]: row b is sequence b's page list
 
         # A decode-only step reads the page map of the previous one until a sequence's
@@ -214,7 +227,8 @@ class FlexPagedAttention:
             page_to_logical = torch.full(
                 (self.table_rows, self.num_pages), -1, dtype=torch.int32, device=device
             )
-            page_to_logical[seq_of_page, flat] = logical.to(torch.int32)
+            kept = slice(None) if self.unkept_slot is None else flat != self.unkept_slot
+            page_to_logical[seq_of_page[kept], flat[kept]] = logical[kept].to(torch.int32)
             _keep_static(page_to_logical)
             self._page_to_logical = page_to_logical
 
@@ -276,7 +290,8 @@ class FlexPagedAttention:
         W = NO_WINDOW if window is None else window
         page_matrix = step.page_matrix
         device = page_matrix.device
-        Bp, width = page_matrix.shape  # as wide as the store: torch's CPU kernel requires it
+        Bp, listed = page_matrix.shape
+        width = self.num_pages  # as wide as the store: torch's CPU kernel requires it
         B = step.starts.shape[0]
         rows = step.rows
         starts_p = torch.zeros(Bp, dtype=torch.long, device=device)
@@ -299,9 +314,9 @@ class FlexPagedAttention:
         edge = (full_from - first)[:, :, None]  # masked pages at the window's edge
         partial_at = torch.where(
             k < edge, first[:, :, None] + k, before[:, :, None] + k - edge
-        ).clamp(max=width - 1)
-        full_at = (full_from[:, :, None] + k).clamp(max=width - 1)
-        by_row = page_matrix[:, None, :].expand(Bp, rows, width)
+        ).clamp(max=listed - 1)
+        full_at = (full_from[:, :, None] + k).clamp(max=listed - 1)
+        by_row = page_matrix[:, None, :].expand(Bp, rows, listed)
 
         def shaped(t: torch.Tensor) -> torch.Tensor:  # [Bp, R(, W)] -> [Bp, 1, R(, W)] int32
             return t.unsqueeze(1).to(torch.int32).contiguous()

@@ -68,9 +68,14 @@ class PageTable:
         mover: PageMover,
         disk: DiskStore | None = None,
         window: WindowSlots | None = None,
+        *,
+        prefix_reuse: bool = True,
     ) -> None:
         """`window`: where the model keeps its windowed layers apart, which pages keep
-        their part of them (`window_slots`); None: every layer of every page is kept."""
+        their part of them (`window_slots`); None: every layer of every page is kept.
+        `prefix_reuse` False: no admission starts from a cached prefix (a hybrid model,
+        whose linear layers' state at a prefix's end is not kept), so every sequence is
+        computed from its first token and residency counts nothing as cached."""
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         if page_size < 1:
@@ -87,6 +92,7 @@ class PageTable:
         self._clock = 0  # logical: one tick per operation
         self._counters = CacheCounters()
         self._window = window
+        self.prefix_reuse = prefix_reuse
         self._tiers = LowerTiers(
             host,
             disk,
@@ -146,7 +152,7 @@ class PageTable:
             tiers=self._tiers,
             can_allocate=self._can_allocate,
             can_take_over=self._can_take_over,
-            window_cut=self._window_cut if window is not None else None,
+            window_cut=self._window_cut if window is not None else self._no_reuse_cut,
         )
         if plan is None:
             return None
@@ -392,6 +398,8 @@ class PageTable:
         start again (its window let go) counts as nowhere: it would be computed. Pages only
         the disk holds are taken to have their part (their files are not read here)."""
         tokens = tuple(token_ids)
+        if not self.prefix_reuse:
+            return Residency(0, 0, 0, nowhere=len(tokens))
         walk = self._index.walk(
             tokens, len(tokens), self.salt, self.host, host_tail=False, disk=self.disk
         )
@@ -417,6 +425,8 @@ class PageTable:
         """
         tokens = tuple(token_ids)
         ps = self.page_size
+        if not self.prefix_reuse:
+            return 0
         while True:  # again when a disk page failed its checks (it is gone now)
             walk = self._index.walk(
                 tokens, len(tokens), self.salt, self.host, host_tail=False, disk=self.disk
@@ -745,6 +755,11 @@ class PageTable:
         if whole(matched):
             return matched
         return next((k * ps for k in range(len(chain), 0, -1) if whole(k * ps)), 0)
+
+    @property
+    def _no_reuse_cut(self) -> Any:
+        """For `plan_admission`: None (matches are used), or a cut to 0 (`prefix_reuse`)."""
+        return None if self.prefix_reuse else (lambda walk, from_disk: 0)
 
     def _window_replaces(self, p: int) -> bool:
         """Page `p` just became full with the hash of a cached page that lost its window
