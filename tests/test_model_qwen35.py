@@ -19,6 +19,7 @@ from kvchat.errors import ModelLoadError
 from kvchat.model.batch import ForwardBatch, FreshStates
 from kvchat.model.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from kvchat.model.loader import load_model
+from kvchat.model.safetensors_folder import read_tensors
 from tests.parity_helpers import hf_logits, kvchat_logits, random_ids, rel_err
 from tests.tiny_models import write_tiny_model
 
@@ -154,3 +155,60 @@ def test_a_batch_of_sequences_equals_each_alone(qwen35_folder):
         assert ours.shape == (len(ids), 512)
         assert rel_err(ours, alone) < 1e-5
         assert rel_err(ours, hf_logits(qwen35_folder, torch.tensor(ids))) < 1e-4
+
+
+def write_vision_language_qwen35(folder, text_folder):
+    """Qwen3.5's hub layout, scaled down: the tiny text model's weights inside
+    Qwen3_5ForConditionalGeneration beside a small vision tower (`model.language_model.*`,
+    `model.visual.*`, the text config under `text_config`), and a multi-token-prediction
+    head (`mtp.*`) as the hub's checkpoints carry, which neither transformers nor kvchat
+    reads."""
+    from safetensors.torch import load_file, save_file
+    from transformers import (
+        AutoModelForCausalLM,
+        Qwen3_5Config,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5VisionConfig,
+    )
+
+    text = AutoModelForCausalLM.from_pretrained(text_folder, dtype=torch.float32)
+    vision = Qwen3_5VisionConfig(
+        depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+        num_position_embeddings=16, patch_size=14,
+    )  # fmt: skip
+    model = Qwen3_5ForConditionalGeneration(
+        Qwen3_5Config(text_config=text.config.to_dict(), vision_config=vision.to_dict())
+    )
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    model.save_pretrained(folder, safe_serialization=True)
+    (weights_file,) = folder.glob("*.safetensors")
+    tensors = load_file(weights_file)
+    tensors["mtp.fc.weight"] = torch.randn(3, 5)  # a shape no layer of the model has
+    tensors["mtp.layers.0.input_layernorm.weight"] = torch.randn(64)
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((text_folder / name).read_bytes())
+    return folder
+
+
+def test_a_vision_language_qwen35_runs_its_text_model(qwen35_folder, tmp_path):
+    """Qwen3.5 ships as a vision-language model: kvchat reads the text model's config and
+    weights from it (never the vision tower's nor the mtp head's) and computes what
+    transformers' Qwen3_5ForConditionalGeneration computes for text."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    folder = write_vision_language_qwen35(tmp_path / "qwen35-vl", qwen35_folder)
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "qwen3_5"
+    names = {name for name, _ in read_tensors(folder, torch.float32, torch.device("cpu"))}
+    assert "model.embed_tokens.weight" in names
+    assert not any(
+        name.startswith(("mtp.", "model.visual.", "model.language_model.")) for name in names
+    )
+    model = load(folder)
+    assert model.config.model_type == "qwen3_5_text" and model.config.kv_layers == 2
+    ids = random_ids(40, seed=7, low=3)
+    reference = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = reference(input_ids=ids[None]).logits[0].float()
+    assert rel_err(kvchat_logits(model, ids.tolist(), paged=True), theirs) < 1e-4
