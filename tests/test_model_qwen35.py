@@ -1,5 +1,6 @@
 """Qwen3.5 (dense, text) against transformers: linear-attention layers (Gated DeltaNet)
-beside gated full attention with partial rotary, (1 + w) norms, SwiGLU.
+beside gated full attention with partial rotary, (1 + w) norms, SwiGLU; and Qwen3-Next,
+the same layers with routed experts and a gated shared expert.
 
 The tiny model alternates the two kinds (`QWEN35_LAYERS`), so a K/V store holds two of
 its four layers and the linear layers' states, carried from one forward to the next
@@ -212,3 +213,36 @@ def test_a_vision_language_qwen35_runs_its_text_model(qwen35_folder, tmp_path):
     with torch.no_grad():
         theirs = reference(input_ids=ids[None]).logits[0].float()
     assert rel_err(kvchat_logits(model, ids.tolist(), paged=True), theirs) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_folder(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
+
+
+def test_qwen3_next_config_reads_the_experts_beside_the_layer_kinds(qwen3_next_folder):
+    config = ModelConfig.from_file(qwen3_next_folder / "config.json", allow_hybrid=True)
+    assert (config.attention_layers, config.linear_layers) == ((1, 3), (0, 2))
+    assert (config.num_experts, config.num_experts_per_tok, config.shared_expert_size) == (8, 2, 48)
+    assert [config.layer_is_sparse(i) for i in range(4)] == [False, True, True, True]
+    with pytest.raises(ModelLoadError, match="hybrid model"):
+        ModelConfig.from_file(qwen3_next_folder / "config.json")
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_qwen3_next_logits_match_transformers_fp32(qwen3_next_folder, paged):
+    """Qwen3-Next's fused linear-layer projections (qkvz, ba), its routed experts and the
+    gated shared expert beside them."""
+    model = load(qwen3_next_folder)
+    ids = random_ids(40, seed=1, low=3)
+    ours = kvchat_logits(model, ids.tolist(), paged=paged)
+    assert rel_err(ours, hf_logits(qwen3_next_folder, ids)) < 1e-4
+
+
+def test_qwen3_next_bf16_error_within_transformers_own(qwen3_next_folder):
+    ids = random_ids(64, seed=2, low=3)
+    exact = hf_logits(qwen3_next_folder, ids)
+    theirs = rel_err(hf_logits(qwen3_next_folder, ids, torch.bfloat16), exact)
+    model = load(qwen3_next_folder, "bfloat16")
+    ours = rel_err(kvchat_logits(model, ids.tolist(), paged=True), exact)
+    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)

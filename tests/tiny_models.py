@@ -72,6 +72,7 @@ GEMMA3_WINDOW = 16
 # Qwen3.5's hybrid pattern, scaled down: every other layer full attention (every fourth
 # there), so four layers hold both kinds twice; linear layers with fewer key heads than
 # value heads, as Qwen3.5's (16 and 32 there)
+HYBRID = ("qwen3_5_text", "qwen3_next")
 QWEN35_LAYERS = dict(
     num_hidden_layers=4,
     full_attention_interval=2,
@@ -98,8 +99,8 @@ def write_tiny_model(
     **overrides,
 ) -> Path:
     """Write a tiny random model of `family` ("gemma3_text", "gpt_oss", "llama", "llama3",
-    "ministral3", "phi3", "qwen2", "qwen3", "qwen3_5_text", "qwen3_moe", "smollm3") into
-    `folder`."""
+    "ministral3", "phi3", "qwen2", "qwen3", "qwen3_5_text", "qwen3_moe", "qwen3_next",
+    "smollm3") into `folder`."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
@@ -119,6 +120,8 @@ def write_tiny_model(
         Qwen3ForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
         SmolLM3Config,
         SmolLM3ForCausalLM,
     )
@@ -216,6 +219,31 @@ def write_tiny_model(
             eos_token_id=2,
         )
         model = Qwen3_5ForCausalLM(config)
+    elif family == "qwen3_next":
+        # Qwen3.5's layers with Qwen3-Next-80B-A3B's routing scaled down (10 of 512 experts
+        # and a shared one there, 2 of 8 and a shared one here), a dense layer first
+        overrides_of(tuple(QWEN35_LAYERS), shapes)
+        layers = {**QWEN35_LAYERS, **overrides_of(tuple(QWEN35_LAYERS), dict(overrides))}
+        config = Qwen3NextConfig(
+            **{"head_dim": 32, **shapes},
+            **layers,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10_000_000.0,
+                "partial_rotary_factor": 0.25,
+            },
+            tie_word_embeddings=False,
+            pad_token_id=None,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        model = Qwen3NextForCausalLM(config)
     elif family == "qwen2":
         config = Qwen2Config(**shapes, tie_word_embeddings=True, rope_theta=1_000_000.0)
         model = Qwen2ForCausalLM(config)
@@ -249,12 +277,14 @@ def write_tiny_model(
                 p.uniform_(10.0, 20.0)
             elif family == "gemma3_text" and name.endswith("norm.weight"):
                 p.uniform_(-0.5, 0.5)  # Gemma's start at zeros (a factor of 1 + w)
-            elif family == "qwen3_5_text" and name == "model.norm.weight":
+            elif family in HYBRID and name == "model.norm.weight":
                 p.uniform_(2.0, 4.0)  # (1 + w) of 3 to 5: peaked logits, as Gemma's above
-            elif family == "qwen3_5_text" and name.endswith("layernorm.weight"):
+            elif family in HYBRID and name.endswith("layernorm.weight"):
                 p.uniform_(-0.5, 0.5)  # start at zeros (1 + w); the gated norm's is a plain w
-            elif family == "qwen3_5_text" and name.endswith("linear_attn.norm.weight"):
+            elif family in HYBRID and name.endswith("linear_attn.norm.weight"):
                 p.uniform_(0.5, 1.5)
+            elif family == "qwen3_next" and "experts" in name and p.dim() == 3:
+                p.normal_(0.0, 0.1)  # stacked experts start at zeros, and are not scaled above
             elif family == "gpt_oss" and name.endswith("sinks"):
                 p.normal_(0.0, 1.0)  # a sink comparable to a row's scores
             elif family == "gpt_oss" and (name.endswith("bias") or "experts" in name):

@@ -18,7 +18,9 @@ Qwen3.5 is hybrid: three layers in four replace attention by a linear-attention 
 (Gated DeltaNet, `layer_kinds`, `delta_net`) whose memory is a per-sequence state rather
 than K/V, and its norms multiply by (1 + w) as Gemma's do. Hybrid models are parsed only
 when asked (`allow_hybrid`, `HYBRID_MODELS_RUN`): the engine does not yet store their
-states. Anything else is refused here, with a message, before any weight is read.
+states; Qwen3-Next is the same hybrid with Qwen3-MoE's experts and a gated shared
+expert beside them (`shared_expert_size`). Anything else is refused here, with a
+message, before any weight is read.
 """
 
 from __future__ import annotations
@@ -45,12 +47,13 @@ GPT_OSS = "gpt_oss"
 TEXT_MODEL_OF = {"gemma3": "gemma3_text", "mistral3": "ministral3", "qwen3_5": "qwen3_5_text"}
 GEMMA3 = "gemma3_text"
 QWEN35 = "qwen3_5_text"
+QWEN3_NEXT = "qwen3_next"
 # Models with linear-attention layers beside full attention: the model runs them
 # (`qwen35_layer`), but the engine must keep a recurrent state per sequence and layer
 # beside the K/V pages before they can be chatted with. Until it does, `from_dict` refuses
 # them unless asked (`allow_hybrid=True`, as the model's parity tests do); the engine's
 # side sets this to True when its part lands.
-HYBRID_MODEL_TYPES = (QWEN35,)
+HYBRID_MODEL_TYPES = (QWEN35, QWEN3_NEXT)
 HYBRID_MODELS_RUN = False
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
@@ -192,6 +195,9 @@ class ModelConfig:
     # shape `delta_net`, its memory a state per sequence); None: every layer attends
     layer_kinds: tuple[str, ...] | None = None
     delta_net: DeltaNetShape | None = None
+    # Qwen3-Next: each sparse layer's shared expert (a SwiGLU this wide, its output scaled by
+    # a sigmoid gate of its own) beside the routed ones; 0: none
+    shared_expert_size: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -203,13 +209,14 @@ class ModelConfig:
 
     @property
     def hybrid(self) -> bool:
-        """Linear-attention layers beside full-attention ones (Qwen3.5)."""
+        """Linear-attention layers beside full-attention ones (Qwen3.5, Qwen3-Next)."""
         return self.layer_kinds is not None
 
     @property
     def unit_offset_norms(self) -> bool:
-        """Decoder norms that multiply by (1 + w) in float32 (Gemma 3's, Qwen3.5's)."""
-        return self.model_type in (GEMMA3, QWEN35)
+        """Decoder norms that multiply by (1 + w) in float32 (Gemma 3's, Qwen3.5's,
+        Qwen3-Next's)."""
+        return self.model_type in (GEMMA3, QWEN35, QWEN3_NEXT)
 
     def layer_kind(self, index: int) -> str:
         """FULL_ATTENTION or LINEAR_ATTENTION: what layer `index` mixes tokens with."""
@@ -304,7 +311,7 @@ class ModelConfig:
             scaling = rope if kind not in (None, "default") else raw.get("rope_scaling")
             partial = rope.get(
                 "partial_rotary_factor",
-                raw.get("partial_rotary_factor", 0.25 if model_type == QWEN35 else 1.0),
+                raw.get("partial_rotary_factor", 0.25 if model_type in HYBRID_MODEL_TYPES else 1.0),
             )
             max_positions = int(raw.get("max_position_embeddings", 4096))
             original = rope.get(
@@ -327,7 +334,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
                 rope_scaling=_rope_scaling(scaling, max_positions, original),
-                qk_norm=model_type in ("qwen3", "qwen3_moe", GEMMA3, QWEN35),
+                qk_norm=model_type in ("qwen3", "qwen3_moe", GEMMA3, *HYBRID_MODEL_TYPES),
                 rope_layers=_rope_layers(raw, model_type),
                 partial_rotary_factor=float(partial),
                 sliding_window=window,
@@ -339,8 +346,8 @@ class ModelConfig:
                 fields.update(_gemma3(raw))
             if model_type == GPT_OSS:
                 fields.update(_gpt_oss(raw))
-            if model_type == QWEN35:
-                fields.update(_qwen35(raw))
+            if model_type in HYBRID_MODEL_TYPES:
+                fields.update(_hybrid(raw))
             beta = rope.get("llama_4_scaling_beta")
             if beta and model_type == "ministral3" and fields["rope_scaling"] is not None:
                 fields["query_scaling_beta"] = float(beta)
@@ -422,10 +429,10 @@ def _gemma3(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _qwen35(raw: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3.5's fields, as transformers reads them: each layer's kind from `layer_types`,
-    else every `full_attention_interval`-th layer (4 by default) full attention and the
-    others linear; the linear layers' shape from the `linear_*` keys."""
+def _hybrid(raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's and Qwen3-Next's fields, as transformers reads them: each layer's kind
+    from `layer_types`, else every `full_attention_interval`-th layer (4 by default) full
+    attention and the others linear; the linear layers' shape from the `linear_*` keys."""
     layers = int(raw["num_hidden_layers"])
     kinds = raw.get("layer_types")
     if kinds is None:
@@ -440,7 +447,7 @@ def _qwen35(raw: dict[str, Any]) -> dict[str, Any]:
     activation = raw.get("hidden_act", "silu")
     if activation != "silu":
         raise ModelLoadError(
-            f"This Qwen3.5 feeds forward through {activation!r}; kvchat runs SiLU. The config "
+            f"This model feeds forward through {activation!r}; kvchat runs SiLU. The config "
             "looks edited: re-download the model."
         )
     return {"layer_kinds": tuple(kinds), "delta_net": DeltaNetShape.from_hf(raw)}
@@ -490,7 +497,7 @@ def _experts(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
                 raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 4
             ),
         }
-    if model_type != "qwen3_moe":
+    if model_type not in ("qwen3_moe", QWEN3_NEXT):
         return {}
     experts = {
         # Qwen's checkpoints say num_experts; transformers 5 writes num_local_experts
@@ -501,6 +508,8 @@ def _experts(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
         "decoder_sparse_step": int(raw.get("decoder_sparse_step") or 1),
         "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
     }
+    if model_type == QWEN3_NEXT:
+        experts["shared_expert_size"] = int(raw.get("shared_expert_intermediate_size") or 0)
     if not 0 < experts["num_experts_per_tok"] <= experts["num_experts"]:
         raise ModelLoadError(
             f"config.json asks for {experts['num_experts_per_tok']} of "

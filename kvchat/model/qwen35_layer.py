@@ -1,4 +1,5 @@
-"""Qwen3.5's decoder layer (dense), as transformers' Qwen3_5DecoderLayer computes it.
+"""Qwen3.5's decoder layer (dense), as transformers' Qwen3_5DecoderLayer computes it,
+and Qwen3-Next's (Qwen3NextDecoderLayer), the same with sparse feed-forward layers.
 
 Three layers in four (by default) mix tokens through a Gated DeltaNet
 (`gated_deltanet`): its memory of a sequence is one fixed-size state, read and written
@@ -8,7 +9,9 @@ gate beside its query ([q | gate], head by head), the attention's output is mult
 by sigmoid(gate) before o_proj; only the leading quarter of each head rotates
 (`partial_rotary_factor`; Qwen3.5's multimodal rotary is plain rotary for text, every
 position stream being the token's position). Every decoder norm multiplies by (1 + w) in
-float32, as Gemma's do (`gemma_rms_norm`); the feed-forward is SwiGLU.
+float32, as Gemma's do (`gemma_rms_norm`); the feed-forward is SwiGLU, or in Qwen3-Next's
+sparse layers Qwen3-MoE's routed experts (`SparseMoE`) plus a shared SwiGLU expert whose
+output is scaled by sigmoid of a gate of its own.
 
 A layer knows its place among the layers of its kind (`ordinal`): the K/V store holds
 only the attention layers, the engine's states only the linear ones.
@@ -24,6 +27,7 @@ from kvchat.model.decoder_ops import rotary_reference, silu_mul
 from kvchat.model.gated_deltanet import GatedDeltaNet
 from kvchat.model.gemma3_layer import gemma_multiplier, gemma_rms_norm
 from kvchat.model.linear import Linear, make_linear
+from kvchat.model.sparse_moe import SparseMoE
 
 
 class Qwen35Layer:
@@ -35,8 +39,7 @@ class Qwen35Layer:
         # the layer's place among its kind: the KV store's layer index, or the states'
         kind = config.layer_kind(index)
         self.ordinal = sum(1 for i in range(index) if config.layer_kind(i) == kind)
-        self.experts = None  # dense, no sinks, no window (the Transformer asks)
-        self.sinks = None
+        self.sinks = None  # no sinks, no window (the Transformer asks)
         self.window = None
         self.input_norm = gemma_multiplier(weights["input_layernorm.weight"])
         self.post_norm = gemma_multiplier(weights["post_attention_layernorm.weight"])
@@ -60,10 +63,25 @@ class Qwen35Layer:
             self.o = make_linear(
                 [weights["self_attn.o_proj.weight"]], [o_bias] if o_bias is not None else None
             )
-        self.gate_up: Linear | None = weights.get("mlp.gate_up_proj") or make_linear(
-            [weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]]
-        )  # [2 I, hidden]
-        self.down: Linear | None = make_linear([weights["mlp.down_proj.weight"]])
+        # Qwen3-Next's sparse layers: routed experts, and a shared one (gate_up, down) whose
+        # output is scaled by sigmoid(shared_gate(x))
+        self.experts = (
+            SparseMoE.from_weights(weights, config) if config.layer_is_sparse(index) else None
+        )
+        self.shared_gate: Linear | None = None
+        mlp = "mlp."
+        if self.experts is not None and config.shared_expert_size:
+            mlp = "mlp.shared_expert."
+            self.shared_gate = make_linear(
+                [weights["mlp.shared_expert_gate.weight"]]
+            )  # [1, hidden]
+        self.gate_up: Linear | None = None
+        self.down: Linear | None = None
+        if self.experts is None or self.shared_gate is not None:
+            self.gate_up = weights.get(f"{mlp}gate_up_proj") or make_linear(
+                [weights[f"{mlp}gate_proj.weight"], weights[f"{mlp}up_proj.weight"]]
+            )  # [2 I, hidden]
+            self.down = make_linear([weights[f"{mlp}down_proj.weight"]])
 
     def forward(
         self,
@@ -85,7 +103,17 @@ class Qwen35Layer:
         else:
             h = h + self._attention(x, cos, sin, attention)
         x = gemma_rms_norm(h, self.post_norm, eps)
-        return h, self.down(silu_mul(self.gate_up(x)))  # type: ignore[misc]
+        return h, self._feed_forward(x)
+
+    def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU; or the routed experts, plus the shared expert scaled by its gate."""
+        if self.experts is None:
+            return self.down(silu_mul(self.gate_up(x)))  # type: ignore[misc]
+        routed = self.experts(x)
+        if self.shared_gate is None:
+            return routed
+        shared = self.down(silu_mul(self.gate_up(x)))  # type: ignore[misc]
+        return routed + torch.sigmoid(self.shared_gate(x)) * shared
 
     def _linear_attention(
         self, x: torch.Tensor, query_lens: tuple[int, ...], states: RecurrentStates

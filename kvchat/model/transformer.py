@@ -247,7 +247,7 @@ class Transformer:
 
     def _linears(self) -> list[Linear]:
         layers = [
-            (layer.qkv, layer.o, layer.gate_up, layer.down, *_delta_net_linears(layer))
+            (layer.qkv, layer.o, layer.gate_up, layer.down, *_hybrid_linears(layer))
             for layer in self.layers
         ]
         return [self.lm_head, *(linear for group in layers for linear in group if linear)]
@@ -300,9 +300,12 @@ class Transformer:
         return logits
 
 
-def _delta_net_linears(layer: object) -> tuple[Linear, ...]:
+def _hybrid_linears(layer: object) -> tuple[Linear, ...]:
+    """A Qwen3.5 / Qwen3-Next layer's projections besides the four every layer has."""
     delta_net = getattr(layer, "delta_net", None)
-    return () if delta_net is None else (delta_net.in_proj, delta_net.out_proj)
+    found = () if delta_net is None else (delta_net.in_proj, delta_net.out_proj)
+    shared_gate = getattr(layer, "shared_gate", None)
+    return found if shared_gate is None else (*found, shared_gate)
 
 
 def _strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -373,10 +376,18 @@ def _missing_weights(config: ModelConfig, weights: dict) -> list[str]:
             else (f"{p}_proj.{k}" for p in ("gate", "up", "down") for k in ("weight", "bias"))
         )
         experts = ("mlp.router.weight", "mlp.router.bias", *(f"mlp.experts.{n}" for n in stacked))
+    if config.shared_expert_size:  # Qwen3-Next's
+        experts = (
+            *experts,
+            "mlp.shared_expert_gate.weight",
+            *(f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")),
+        )
+    # Qwen3-Next fuses q/k/v/z and b/a (`gated_deltanet._split_qwen3_next`)
+    projections = ("qkvz", "ba") if config.model_type == "qwen3_next" else ("qkv", "z", "b", "a")
     linear = (
         "input_layernorm.weight",
         "post_attention_layernorm.weight",
-        *(f"linear_attn.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
+        *(f"linear_attn.in_proj_{p}.weight" for p in projections),
         *(f"linear_attn.{n}" for n in ("conv1d.weight", "dt_bias", "A_log", "norm.weight")),
         "linear_attn.out_proj.weight",
     )
