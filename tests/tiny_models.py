@@ -69,6 +69,20 @@ GPT_OSS_ROPE = {
 # Gemma 3's window, scaled down from 512 (1B) and 1,024 (4B and up)
 GEMMA3_WINDOW = 16
 
+# Qwen3.5's hybrid pattern, scaled down: every other layer full attention (every fourth
+# there), so four layers hold both kinds twice; linear layers with fewer key heads than
+# value heads, as Qwen3.5's (16 and 32 there)
+HYBRID = ("qwen3_5_text", "qwen3_next")
+QWEN35_LAYERS = dict(
+    num_hidden_layers=4,
+    full_attention_interval=2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
+
 
 def overrides_of(names: tuple[str, ...], shapes: dict) -> dict:
     """The family options among a caller's overrides (taken out of `shapes`)."""
@@ -85,7 +99,8 @@ def write_tiny_model(
     **overrides,
 ) -> Path:
     """Write a tiny random model of `family` ("gemma3_text", "gpt_oss", "llama", "llama3",
-    "ministral3", "phi3", "qwen2", "qwen3", "qwen3_moe", "smollm3") into `folder`."""
+    "ministral3", "phi3", "qwen2", "qwen3", "qwen3_5_text", "qwen3_moe", "qwen3_next",
+    "smollm3") into `folder`."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
@@ -99,10 +114,14 @@ def write_tiny_model(
         Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3_5ForCausalLM,
+        Qwen3_5TextConfig,
         Qwen3Config,
         Qwen3ForCausalLM,
         Qwen3MoeConfig,
         Qwen3MoeForCausalLM,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
         SmolLM3Config,
         SmolLM3ForCausalLM,
     )
@@ -180,6 +199,51 @@ def write_tiny_model(
             pad_token_id=None,
         )
         model = Ministral3ForCausalLM(config)
+    elif family == "qwen3_5_text":
+        # Qwen3.5's rotary (a quarter of each head rotates: 8 of 32 dimensions here)
+        overrides_of(tuple(QWEN35_LAYERS), shapes)  # TINY_SHAPES' layer count out
+        layers = {**QWEN35_LAYERS, **overrides_of(tuple(QWEN35_LAYERS), dict(overrides))}
+        config = Qwen3_5TextConfig(
+            **{"head_dim": 32, **shapes},
+            **layers,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10_000_000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10],
+                "mrope_interleaved": True,
+            },
+            tie_word_embeddings=False,
+            pad_token_id=None,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        model = Qwen3_5ForCausalLM(config)
+    elif family == "qwen3_next":
+        # Qwen3.5's layers with Qwen3-Next-80B-A3B's routing scaled down (10 of 512 experts
+        # and a shared one there, 2 of 8 and a shared one here), a dense layer first
+        overrides_of(tuple(QWEN35_LAYERS), shapes)
+        layers = {**QWEN35_LAYERS, **overrides_of(tuple(QWEN35_LAYERS), dict(overrides))}
+        config = Qwen3NextConfig(
+            **{"head_dim": 32, **shapes},
+            **layers,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10_000_000.0,
+                "partial_rotary_factor": 0.25,
+            },
+            tie_word_embeddings=False,
+            pad_token_id=None,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        model = Qwen3NextForCausalLM(config)
     elif family == "qwen2":
         config = Qwen2Config(**shapes, tie_word_embeddings=True, rope_theta=1_000_000.0)
         model = Qwen2ForCausalLM(config)
@@ -213,6 +277,14 @@ def write_tiny_model(
                 p.uniform_(10.0, 20.0)
             elif family == "gemma3_text" and name.endswith("norm.weight"):
                 p.uniform_(-0.5, 0.5)  # Gemma's start at zeros (a factor of 1 + w)
+            elif family in HYBRID and name == "model.norm.weight":
+                p.uniform_(2.0, 4.0)  # (1 + w) of 3 to 5: peaked logits, as Gemma's above
+            elif family in HYBRID and name.endswith("layernorm.weight"):
+                p.uniform_(-0.5, 0.5)  # start at zeros (1 + w); the gated norm's is a plain w
+            elif family in HYBRID and name.endswith("linear_attn.norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif family == "qwen3_next" and "experts" in name and p.dim() == 3:
+                p.normal_(0.0, 0.1)  # stacked experts start at zeros, and are not scaled above
             elif family == "gpt_oss" and name.endswith("sinks"):
                 p.normal_(0.0, 1.0)  # a sink comparable to a row's scores
             elif family == "gpt_oss" and (name.endswith("bias") or "experts" in name):

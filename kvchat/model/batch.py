@@ -4,7 +4,9 @@ The engine packs, per sequence, the tokens it wants computed this step (a prefil
 chunk or one decode token) into one flat run; `positions` say where each token
 sits in its own sequence. The attention implementation receives the same
 description and decides where K/V live (paged in `engine/`, or nowhere in
-`NoCacheAttention` for tests).
+`NoCacheAttention` for tests). A hybrid model's linear-attention layers (Qwen3.5) keep
+no K/V: they read and write one fixed-size state per sequence and layer through
+`RecurrentStates` (kept by the engine, or by `FreshStates` for a whole prompt and tests).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from kvchat.model.gated_deltanet import DeltaNetState
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,41 @@ class Attention(Protocol):
         sliding-window layer); None: all of them. `sinks` [Hq]: a logit per query head
         that joins its softmax with no value (gpt-oss). Layers without them leave them out."""
         ...
+
+
+class RecurrentStates(Protocol):
+    """Where a hybrid model's linear-attention layers keep each sequence's state between
+    forwards; every such layer reads and then writes it once per run per forward.
+
+    `layer`: the layer's place among the model's linear-attention layers
+    (`ModelConfig.linear_layers`), 0 to n_linear - 1, not its index among all layers.
+    `run`: the sequence's place in `batch.query_lens`. The state a forward is given must be
+    the one left after the tokens before this run's first (its positions start there)."""
+
+    def state(self, layer: int, run: int) -> DeltaNetState | None:
+        """The state before this run's new tokens; None: the sequence starts here, from
+        zeros."""
+        ...
+
+    def update(self, layer: int, run: int, state: DeltaNetState) -> None:
+        """The state after this run's new tokens (new tensors: the given ones are not
+        written in place)."""
+        ...
+
+
+class FreshStates:
+    """Every run starts from zeros; each update is kept and handed back by `state`, so the
+    same object passed to the next forward carries its runs on (the same runs in the same
+    order: runs are told apart by index only). For a whole prompt and for tests."""
+
+    def __init__(self) -> None:
+        self.saved: dict[tuple[int, int], DeltaNetState] = {}  # (layer, run) -> the latest
+
+    def state(self, layer: int, run: int) -> DeltaNetState | None:
+        return self.saved.get((layer, run))
+
+    def update(self, layer: int, run: int, state: DeltaNetState) -> None:
+        self.saved[(layer, run)] = state
 
 
 def window_mask(

@@ -13,14 +13,21 @@ also adds a learned sink to each head's softmax (`attention_sinks`) and windows 
 other layer;
 Gemma 3 attends within a window in five layers of six (`layer_windows`) with a rotary
 base of their own, normalizes with (1 + w) before and after attention and the
-feed-forward, scales its embeddings and queries and feeds forward through GELU (`gemma`).
-Anything else is refused here, with a message, before any weight is read.
+feed-forward, scales its embeddings and queries and feeds forward through GELU (`gemma`);
+Qwen3.5 is hybrid: three layers in four replace attention by a linear-attention layer
+(Gated DeltaNet, `layer_kinds`, `delta_net`) whose memory is a per-sequence state rather
+than K/V, and its norms multiply by (1 + w) as Gemma's do. Hybrid models are parsed only
+when asked (`allow_hybrid`, `HYBRID_MODELS_RUN`): the engine does not yet store their
+states; Qwen3-Next is the same hybrid with Qwen3-MoE's experts and a gated shared
+expert beside them (`shared_expert_size`). Anything else is refused here, with a
+message, before any weight is read.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,8 +44,19 @@ SUPPORTED_FAMILIES = (
 )
 GPT_OSS = "gpt_oss"
 # vision-language checkpoints whose text model kvchat runs (their images are not read)
-TEXT_MODEL_OF = {"gemma3": "gemma3_text", "mistral3": "ministral3"}
+TEXT_MODEL_OF = {"gemma3": "gemma3_text", "mistral3": "ministral3", "qwen3_5": "qwen3_5_text"}
 GEMMA3 = "gemma3_text"
+QWEN35 = "qwen3_5_text"
+QWEN3_NEXT = "qwen3_next"
+# Models with linear-attention layers beside full attention: the model runs them
+# (`qwen35_layer`), but the engine must keep a recurrent state per sequence and layer
+# beside the K/V pages before they can be chatted with. Until it does, `from_dict` refuses
+# them unless asked (`allow_hybrid=True`, as the model's parity tests do); the engine's
+# side sets this to True when its part lands.
+HYBRID_MODEL_TYPES = (QWEN35, QWEN3_NEXT)
+HYBRID_MODELS_RUN = False
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
 # Gemma3TextConfig's defaults: the multimodal checkpoints' text_config leaves most out
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_208,
@@ -77,6 +95,52 @@ class RopeScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True  # YaRN's blend bounds rounded outward to whole dimensions
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """A Gated DeltaNet layer's sizes, from the text config's `linear_*` keys
+    (`gated_deltanet` computes the layer; the shape lives here so that the config, and the
+    engine sizing its states from it, need no torch).
+
+    Key heads may be fewer than value heads: each key (and query) head serves
+    `num_v_heads // num_k_heads` consecutive value heads (16 and 32 in transformers'
+    defaults for both families)."""
+
+    hidden_size: int
+    num_k_heads: int  # linear_num_key_heads
+    num_v_heads: int  # linear_num_value_heads
+    head_k_dim: int  # linear_key_head_dim
+    head_v_dim: int  # linear_value_head_dim
+    conv_kernel: int  # linear_conv_kernel_dim (4 by default)
+    rms_norm_eps: float
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any]) -> DeltaNetShape:
+        """From a Hugging Face text config (a dict: `text_config` for Qwen3.5's
+        multimodal checkpoints, the top level for Qwen3-Next)."""
+        return cls(
+            hidden_size=config["hidden_size"],
+            num_k_heads=config["linear_num_key_heads"],
+            num_v_heads=config["linear_num_value_heads"],
+            head_k_dim=config["linear_key_head_dim"],
+            head_v_dim=config["linear_value_head_dim"],
+            conv_kernel=config.get("linear_conv_kernel_dim", 4),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        )
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolved channels: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -127,6 +191,13 @@ class ModelConfig:
     # Ministral 3: queries scaled by 1 + beta * ln(1 + floor(position / original context))
     # after rotary (transformers' get_llama_4_attn_scale); None: not scaled
     query_scaling_beta: float | None = None
+    # Qwen3.5: each layer's kind, FULL_ATTENTION or LINEAR_ATTENTION (a Gated DeltaNet of
+    # shape `delta_net`, its memory a state per sequence); None: every layer attends
+    layer_kinds: tuple[str, ...] | None = None
+    delta_net: DeltaNetShape | None = None
+    # Qwen3-Next: each sparse layer's shared expert (a SwiGLU this wide, its output scaled by
+    # a sigmoid gate of its own) beside the routed ones; 0: none
+    shared_expert_size: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -137,9 +208,39 @@ class ModelConfig:
         return self.model_type == GEMMA3
 
     @property
+    def hybrid(self) -> bool:
+        """Linear-attention layers beside full-attention ones (Qwen3.5, Qwen3-Next)."""
+        return self.layer_kinds is not None
+
+    @property
+    def unit_offset_norms(self) -> bool:
+        """Decoder norms that multiply by (1 + w) in float32 (Gemma 3's, Qwen3.5's,
+        Qwen3-Next's)."""
+        return self.model_type in (GEMMA3, QWEN35, QWEN3_NEXT)
+
+    def layer_kind(self, index: int) -> str:
+        """FULL_ATTENTION or LINEAR_ATTENTION: what layer `index` mixes tokens with."""
+        return FULL_ATTENTION if self.layer_kinds is None else self.layer_kinds[index]
+
+    def layer_is_linear(self, index: int) -> bool:
+        return self.layer_kind(index) == LINEAR_ATTENTION
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that keep K/V, in order: a layer's place in this tuple is the layer
+        index `Attention` receives (every layer for the non-hybrid families)."""
+        return tuple(i for i in range(self.num_layers) if not self.layer_is_linear(i))
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The linear-attention layers, in order: a layer's place in this tuple is the
+        layer index `RecurrentStates` receives (none for the non-hybrid families)."""
+        return tuple(i for i in range(self.num_layers) if self.layer_is_linear(i))
+
+    @property
     def kv_layers(self) -> int:
-        """Layers that keep K/V in the cache (every layer of these families)."""
-        return self.num_layers
+        """Layers a K/V store holds: all of them, or a hybrid model's full-attention ones."""
+        return len(self.attention_layers)
 
     def layer_window(self, index: int) -> int | None:
         """The tokens layer `index` attends to back from each query (itself included);
@@ -171,15 +272,28 @@ class ModelConfig:
         return self.rope_layers is None or self.rope_layers[index]
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, raw: dict[str, Any], *, allow_hybrid: bool | None = None) -> ModelConfig:
+        """The config of a Hugging Face `config.json` dict. Hybrid models (Qwen3.5) are
+        refused unless `allow_hybrid` (by default `HYBRID_MODELS_RUN`)."""
         model_type = str(raw.get("model_type", "")).lower()
         if model_type in TEXT_MODEL_OF and isinstance(raw.get("text_config"), dict):
-            # Gemma 3 4B and up, Ministral 3: a vision model around the text one
+            # Gemma 3 4B and up, Ministral 3, Qwen3.5: a vision model around the text one
+            outer = raw
             model_type = TEXT_MODEL_OF[model_type]
             raw = {**raw, **raw["text_config"], "model_type": model_type}
+            if model_type == QWEN35:  # transformers ties by the outer config's flag
+                raw["tie_word_embeddings"] = bool(outer.get("tie_word_embeddings", False))
         if model_type == GEMMA3:
             raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type in HYBRID_MODEL_TYPES:
+            if not (HYBRID_MODELS_RUN if allow_hybrid is None else allow_hybrid):
+                archs = raw.get("architectures") or [model_type]
+                raise ModelLoadError(
+                    f"{archs[0]} (model_type {model_type!r}) is a hybrid model: linear-attention "
+                    "layers beside full attention, which kvchat's engine does not run yet. "
+                    f"kvchat runs {SUPPORTED_FAMILIES}. Pick a model of one of those with --model."
+                )
+        elif model_type not in SUPPORTED_MODEL_TYPES:
             archs = raw.get("architectures") or [model_type or "unknown"]
             raise ModelLoadError(
                 f"Unsupported architecture {archs[0]!r} (model_type {model_type!r}). kvchat runs "
@@ -195,7 +309,10 @@ class ModelConfig:
             theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
             kind = rope.get("rope_type") or rope.get("type")
             scaling = rope if kind not in (None, "default") else raw.get("rope_scaling")
-            partial = rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+            partial = rope.get(
+                "partial_rotary_factor",
+                raw.get("partial_rotary_factor", 0.25 if model_type in HYBRID_MODEL_TYPES else 1.0),
+            )
             max_positions = int(raw.get("max_position_embeddings", 4096))
             original = rope.get(
                 "original_max_position_embeddings", raw.get("original_max_position_embeddings")
@@ -217,7 +334,7 @@ class ModelConfig:
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
                 rope_scaling=_rope_scaling(scaling, max_positions, original),
-                qk_norm=model_type in ("qwen3", "qwen3_moe", GEMMA3),
+                qk_norm=model_type in ("qwen3", "qwen3_moe", GEMMA3, *HYBRID_MODEL_TYPES),
                 rope_layers=_rope_layers(raw, model_type),
                 partial_rotary_factor=float(partial),
                 sliding_window=window,
@@ -229,6 +346,8 @@ class ModelConfig:
                 fields.update(_gemma3(raw))
             if model_type == GPT_OSS:
                 fields.update(_gpt_oss(raw))
+            if model_type in HYBRID_MODEL_TYPES:
+                fields.update(_hybrid(raw))
             beta = rope.get("llama_4_scaling_beta")
             if beta and model_type == "ministral3" and fields["rope_scaling"] is not None:
                 fields["query_scaling_beta"] = float(beta)
@@ -240,7 +359,7 @@ class ModelConfig:
             ) from exc
 
     @classmethod
-    def from_file(cls, path: Path) -> ModelConfig:
+    def from_file(cls, path: Path, *, allow_hybrid: bool | None = None) -> ModelConfig:
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError as exc:
@@ -249,7 +368,7 @@ class ModelConfig:
             ) from exc
         except (OSError, json.JSONDecodeError) as exc:
             raise ModelLoadError(f"{path} cannot be read as JSON ({exc}).") from exc
-        return cls.from_dict(raw)
+        return cls.from_dict(raw, allow_hybrid=allow_hybrid)
 
 
 def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
@@ -310,6 +429,30 @@ def _gemma3(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _hybrid(raw: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's and Qwen3-Next's fields, as transformers reads them: each layer's kind
+    from `layer_types`, else every `full_attention_interval`-th layer (4 by default) full
+    attention and the others linear; the linear layers' shape from the `linear_*` keys."""
+    layers = int(raw["num_hidden_layers"])
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        interval = int(raw.get("full_attention_interval") or 4)
+        kinds = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(layers)]
+    if len(kinds) != layers or not set(kinds) <= {LINEAR_ATTENTION, FULL_ATTENTION}:
+        raise ModelLoadError(
+            f"config.json's layer_types ({len(kinds)} entries for {layers} layers) is not a "
+            "list of full_attention and linear_attention; the model folder looks damaged. "
+            "Re-download it."
+        )
+    activation = raw.get("hidden_act", "silu")
+    if activation != "silu":
+        raise ModelLoadError(
+            f"This model feeds forward through {activation!r}; kvchat runs SiLU. The config "
+            "looks edited: re-download the model."
+        )
+    return {"layer_kinds": tuple(kinds), "delta_net": DeltaNetShape.from_hf(raw)}
+
+
 def _layer_windows(raw: dict[str, Any], layers: int) -> tuple[int | None, ...] | None:
     """Each layer's window from `layer_types` ("sliding_attention" layers attend within
     `sliding_window`); None when no layer does."""
@@ -354,7 +497,7 @@ def _experts(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
                 raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 4
             ),
         }
-    if model_type != "qwen3_moe":
+    if model_type not in ("qwen3_moe", QWEN3_NEXT):
         return {}
     experts = {
         # Qwen's checkpoints say num_experts; transformers 5 writes num_local_experts
@@ -365,6 +508,8 @@ def _experts(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
         "decoder_sparse_step": int(raw.get("decoder_sparse_step") or 1),
         "mlp_only_layers": tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
     }
+    if model_type == QWEN3_NEXT:
+        experts["shared_expert_size"] = int(raw.get("shared_expert_intermediate_size") or 0)
     if not 0 < experts["num_experts_per_tok"] <= experts["num_experts"]:
         raise ModelLoadError(
             f"config.json asks for {experts['num_experts_per_tok']} of "

@@ -27,61 +27,16 @@ read).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from kvchat.errors import ModelLoadError
+from kvchat.model.config import DeltaNetShape
 from kvchat.model.linear import Linear, make_linear
 
 CHUNK = 64  # transformers' and flash-linear-attention's chunk size (matching it matches rounding)
-
-
-@dataclass(frozen=True)
-class DeltaNetShape:
-    """A Gated DeltaNet layer's sizes, from the text config's `linear_*` keys.
-
-    Key heads may be fewer than value heads: each key (and query) head serves
-    `num_v_heads // num_k_heads` consecutive value heads (16 and 32 in transformers'
-    defaults for both families)."""
-
-    hidden_size: int
-    num_k_heads: int  # linear_num_key_heads
-    num_v_heads: int  # linear_num_value_heads
-    head_k_dim: int  # linear_key_head_dim
-    head_v_dim: int  # linear_value_head_dim
-    conv_kernel: int  # linear_conv_kernel_dim (4 by default)
-    rms_norm_eps: float
-
-    @classmethod
-    def from_hf(cls, config: Mapping[str, Any]) -> DeltaNetShape:
-        """From a Hugging Face text config (a dict: `text_config` for Qwen3.5's
-        multimodal checkpoints, the top level for Qwen3-Next)."""
-        return cls(
-            hidden_size=config["hidden_size"],
-            num_k_heads=config["linear_num_key_heads"],
-            num_v_heads=config["linear_num_value_heads"],
-            head_k_dim=config["linear_key_head_dim"],
-            head_v_dim=config["linear_value_head_dim"],
-            conv_kernel=config.get("linear_conv_kernel_dim", 4),
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        )
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_k_heads * self.head_k_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_v_heads * self.head_v_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """The convolved channels: q, k and v side by side."""
-        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)

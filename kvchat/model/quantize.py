@@ -43,6 +43,8 @@ def quantize_weights(
         for target, parts in _FUSED.items():
             if target.startswith("mlp.") and config.layer_is_sparse(i):
                 continue  # experts stay in the compute dtype
+            if target.startswith("self_attn.") and config.layer_is_linear(i):
+                continue  # a hybrid model's linear-attention layers stay dense too
             weight = torch.cat([tensors[f"{prefix}{p}.weight"] for p in parts])
             biases = [tensors.get(f"{prefix}{p}.bias") for p in parts]
             bias = torch.cat(biases) if all(b is not None for b in biases) else None

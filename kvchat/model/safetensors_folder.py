@@ -46,7 +46,8 @@ def text_model_name(name: str) -> str | None:
     """A weight's name in the text model kvchat runs: a vision-language checkpoint's
     language model (Gemma 3 4B and up: `language_model.model.*`, or transformers 5's
     `model.language_model.*`) under the names of a text-only one; its vision tower and
-    projector, None (never read). Other names as they are."""
+    projector, and Qwen3.5's multi-token-prediction head (`mtp.*`, which transformers
+    does not run either), None (never read). Other names as they are."""
     for prefix, to in (
         ("language_model.model.", "model."),
         ("model.language_model.", "model."),
@@ -64,6 +65,8 @@ VISION_PREFIXES = (
     "multi_modal_projector.",
     "model.vision_tower.",
     "model.multi_modal_projector.",
+    "model.visual.",  # Qwen3.5's
+    "mtp.",  # Qwen3.5's draft head: not a vision weight, but as little read
 )
 
 

@@ -1,6 +1,8 @@
 """The Llama-family forward pass in plain torch (and Qwen3's q/k norms, SmolLM3's
 layers without rotary, Phi-3's partial rotary and Qwen3-MoE's experts, `Layer`; Gemma 3's
-layer is `gemma3_layer.Gemma3Layer`, its windowed layers rotated by a table of their own).
+layer is `gemma3_layer.Gemma3Layer`, its windowed layers rotated by a table of their own;
+Qwen3.5's is `qwen35_layer.Qwen35Layer`, its linear-attention layers carrying each
+sequence's state from one forward to the next through `RecurrentStates`).
 
 Written to be checked against the paper and transformers' LlamaModel line by line;
 the differences are for speed only: q/k/v and gate/up are fused into one matmul
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from kvchat.errors import ModelLoadError
 from kvchat.model import huge_pages
-from kvchat.model.batch import Attention, ForwardBatch
+from kvchat.model.batch import Attention, ForwardBatch, FreshStates, RecurrentStates
 from kvchat.model.config import ModelConfig
 from kvchat.model.decoder_ops import (
     add_rms_norm,
@@ -32,6 +34,7 @@ from kvchat.model.decoder_ops import (
 )
 from kvchat.model.gemma3_layer import Gemma3Layer, gemma_multiplier, gemma_rms_norm
 from kvchat.model.linear import Linear, bounded_kernel_caches, make_linear, slot_names
+from kvchat.model.qwen35_layer import Qwen35Layer
 from kvchat.model.read_ahead import read_ahead
 from kvchat.model.rope import RotaryTable, longrope_set
 from kvchat.model.sparse_moe import SparseMoE
@@ -143,12 +146,12 @@ class Transformer:
             [weights.get("lm_head.weight", self.embed)]
         )
         self.norm = weights["model.norm.weight"]
-        if config.gemma:  # (1 + w), float32
+        if config.unit_offset_norms:  # (1 + w), float32
             self.norm = gemma_multiplier(self.norm)
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        layer_kind = Gemma3Layer if config.gemma else Layer
-        self.layers: list[Layer | Gemma3Layer] = [
+        layer_kind = Gemma3Layer if config.gemma else Qwen35Layer if config.hybrid else Layer
+        self.layers: list[Layer | Gemma3Layer | Qwen35Layer] = [
             layer_kind(config, _strip_prefix(weights, f"model.layers.{i}."), i)
             for i in range(config.num_layers)
         ]
@@ -220,6 +223,9 @@ class Transformer:
             tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
             if layer.experts is not None:
                 tensors += layer.experts.tensors()
+            delta_net = getattr(layer, "delta_net", None)  # Qwen3.5's linear layers
+            if delta_net is not None:
+                tensors += [t for t in vars(delta_net).values() if isinstance(t, torch.Tensor)]
         for linear in self._linears():
             for name in slot_names(type(linear)):
                 t = getattr(linear, name, None)
@@ -240,12 +246,23 @@ class Transformer:
         return [t for table in tables for t in vars(table).values() if isinstance(t, torch.Tensor)]
 
     def _linears(self) -> list[Linear]:
-        layers = [(layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers]
+        layers = [
+            (layer.qkv, layer.o, layer.gate_up, layer.down, *_hybrid_linears(layer))
+            for layer in self.layers
+        ]
         return [self.lm_head, *(linear for group in layers for linear in group if linear)]
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, attention: Attention) -> torch.Tensor:
-        """Logits [N, vocab] in float32 for `batch.logits_indices`."""
+    def forward(
+        self,
+        batch: ForwardBatch,
+        attention: Attention,
+        states: RecurrentStates | None = None,
+    ) -> torch.Tensor:
+        """Logits [N, vocab] in float32 for `batch.logits_indices`.
+
+        A hybrid model's linear-attention layers read and write each run's state in
+        `states` (None: every run from zeros, a whole prompt); the others ignore it."""
         c = self.config
         h = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         if c.gemma:  # scaled by sqrt(hidden), the factor rounded to the dtype first
@@ -254,14 +271,25 @@ class Transformer:
         local = self.local_rotary.lookup(batch.positions) if self.local_rotary else (cos, sin)
         query_scale = self._query_scale(batch.positions)
         pending = None
+        if c.hybrid:
+            states = FreshStates() if states is None else states
+            for layer in self.layers:
+                h, pending = layer.forward(  # type: ignore[call-arg]
+                    h, pending, cos, sin, attention, batch.query_lens, states
+                )
+            return self._logits(h, pending, batch.logits_indices)
         for i, layer in enumerate(self.layers):
             rotary = local if c.layer_window(i) is not None else (cos, sin)
             if query_scale is None:
                 h, pending = layer.forward(i, h, pending, *rotary, attention)
             else:
                 h, pending = layer.forward(i, h, pending, *rotary, attention, query_scale)
-        rows = batch.logits_indices  # the LM head only where logits are needed
-        if c.gemma:
+        return self._logits(h, pending, batch.logits_indices)
+
+    def _logits(self, h: torch.Tensor, pending: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The final norm and the LM head, only at `rows` (where logits are needed)."""
+        c = self.config
+        if c.unit_offset_norms:
             h = gemma_rms_norm(h[rows] + pending[rows], self.norm, c.rms_norm_eps)
         else:
             _, h = add_rms_norm(h[rows], pending[rows], self.norm, c.rms_norm_eps)
@@ -270,6 +298,14 @@ class Transformer:
             cap = c.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def _hybrid_linears(layer: object) -> tuple[Linear, ...]:
+    """A Qwen3.5 / Qwen3-Next layer's projections besides the four every layer has."""
+    delta_net = getattr(layer, "delta_net", None)
+    found = () if delta_net is None else (delta_net.in_proj, delta_net.out_proj)
+    shared_gate = getattr(layer, "shared_gate", None)
+    return found if shared_gate is None else (*found, shared_gate)
 
 
 def _strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -340,9 +376,25 @@ def _missing_weights(config: ModelConfig, weights: dict) -> list[str]:
             else (f"{p}_proj.{k}" for p in ("gate", "up", "down") for k in ("weight", "bias"))
         )
         experts = ("mlp.router.weight", "mlp.router.bias", *(f"mlp.experts.{n}" for n in stacked))
+    if config.shared_expert_size:  # Qwen3-Next's
+        experts = (
+            *experts,
+            "mlp.shared_expert_gate.weight",
+            *(f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")),
+        )
+    # Qwen3-Next fuses q/k/v/z and b/a (`gated_deltanet._split_qwen3_next`)
+    projections = ("qkvz", "ba") if config.model_type == "qwen3_next" else ("qkv", "z", "b", "a")
+    linear = (
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        *(f"linear_attn.in_proj_{p}.weight" for p in projections),
+        *(f"linear_attn.{n}" for n in ("conv1d.weight", "dt_bias", "A_log", "norm.weight")),
+        "linear_attn.out_proj.weight",
+    )
     for i in range(config.num_layers):
         feed_forward = experts if config.layer_is_sparse(i) else dense
-        names.extend(f"model.layers.{i}.{n}" for n in (*attention, *feed_forward))
+        mixer = linear if config.layer_is_linear(i) else attention
+        names.extend(f"model.layers.{i}.{n}" for n in (*mixer, *feed_forward))
     fused = {
         "self_attn.q_proj.weight": "self_attn.qkv_proj",
         "self_attn.k_proj.weight": "self_attn.qkv_proj",
