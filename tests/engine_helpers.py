@@ -6,7 +6,7 @@ import threading
 
 from kvchat.engine.config import EngineConfig
 from kvchat.engine.engine import Engine
-from kvchat.engine.events import RequestFinished
+from kvchat.engine.events import RequestFinished, TypeAheadProgress
 from kvchat.engine.request import GenerationRequest, SamplingParams
 
 
@@ -40,3 +40,20 @@ def generate(model, ids, *, max_tokens: int, ignore_eos: bool = False, **engine_
             GenerationRequest(tuple(ids), SamplingParams(), max_tokens, ignore_eos=ignore_eos), c
         )
         return list(c.wait().generated_ids)
+
+
+class Progress:
+    """A type-ahead's progress events; `wait_done()` blocks until it is computed."""
+
+    def __init__(self) -> None:
+        self.events: list[TypeAheadProgress] = []
+        self.done = threading.Event()
+
+    def __call__(self, event: TypeAheadProgress) -> None:
+        self.events.append(event)
+        if event.done:
+            self.done.set()
+
+    def wait_done(self, timeout: float = 60) -> TypeAheadProgress:
+        assert self.done.wait(timeout), "the type-ahead was not computed"
+        return self.events[-1]

@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
-from kvchat.engine.events import TokenGenerated, TypeAheadProgress
+from kvchat.engine.events import TokenGenerated
 from kvchat.engine.request import GenerationRequest
 from kvchat.model.loader import load_model
-from tests.engine_helpers import Collector, small_engine
+from tests.engine_helpers import Collector, Progress, small_engine
 
 
 @pytest.fixture(scope="module")
@@ -18,23 +18,6 @@ def tiny(tmp_path_factory):
 
     folder = write_tiny_model(tmp_path_factory.mktemp("tiny"), "llama")
     return load_model(str(folder), dtype="float32", device="cpu")
-
-
-class Progress:
-    """A type-ahead's progress events; `wait_done()` blocks until it is computed."""
-
-    def __init__(self) -> None:
-        self.events: list[TypeAheadProgress] = []
-        self.done = threading.Event()
-
-    def __call__(self, event: TypeAheadProgress) -> None:
-        self.events.append(event)
-        if event.done:
-            self.done.set()
-
-    def wait_done(self, timeout: float = 60) -> TypeAheadProgress:
-        assert self.done.wait(timeout), "the type-ahead was not computed"
-        return self.events[-1]
 
 
 def ids(n: int, start: int = 10) -> tuple[int, ...]:

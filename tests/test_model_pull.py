@@ -22,9 +22,9 @@ def hub(tmp_path, tiny_llama_dir):
     q4 = write_tiny_gguf(tmp_path / "files" / "tiny-Q4_1.gguf", "Q4_1")
     q4_0 = write_tiny_gguf(tmp_path / "files" / "tiny-Q4_0.gguf", "Q4_0", seed=1)
     folder = {p.name: p for p in tiny_llama_dir.iterdir() if p.is_file()}
-    hybrid = tmp_path / "files" / "qwen3-next-config.json"
+    hybrid = tmp_path / "files" / "falcon-h1-config.json"
     hybrid.write_text(
-        (tiny_llama_dir / "config.json").read_text().replace('"llama"', '"qwen3_next"')
+        (tiny_llama_dir / "config.json").read_text().replace('"llama"', '"falcon_h1"')
     )
     hub = Hub(
         {
@@ -34,7 +34,7 @@ def hub(tmp_path, tiny_llama_dir):
                 gguf_architecture="llama",
             ),
             "tiny-org/one-GGUF": Repo({"one-Q4_1.gguf": q4}, gguf_architecture="llama"),
-            "tiny-org/qwen3-next": Repo({**folder, "config.json": hybrid}),
+            "tiny-org/falcon-h1": Repo({**folder, "config.json": hybrid}),
             "tiny-org/qwen3-next-GGUF": Repo({"g-Q4_0.gguf": q4_0}, gguf_architecture="qwen3next"),
         }
     )
@@ -111,8 +111,8 @@ def test_a_model_folder_comes_whole_and_runs(hub, tmp_path):
     ("name", "says"),
     [
         (
-            "tiny-org/qwen3-next",
-            "tiny-org/qwen3-next is not a model kvchat runs: Unsupported architecture",
+            "tiny-org/falcon-h1",
+            "tiny-org/falcon-h1 is not a model kvchat runs: Unsupported architecture",
         ),
         (
             "tiny-org/qwen3-next-GGUF",

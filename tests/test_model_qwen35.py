@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from kvchat.engine.attention.paged_attention import PagedAttention
-from kvchat.errors import ModelLoadError
 from kvchat.model.batch import ForwardBatch, FreshStates
 from kvchat.model.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from kvchat.model.loader import load_model
@@ -31,11 +30,11 @@ def qwen35_folder(tmp_path_factory):
 
 
 def load(folder, dtype: str = "float32"):
-    return load_model(str(folder), dtype=dtype, device="cpu", allow_hybrid=True)
+    return load_model(str(folder), dtype=dtype, device="cpu")
 
 
 def test_config_reads_the_layer_kinds_and_sizes_the_stores_by_them(qwen35_folder):
-    config = ModelConfig.from_file(qwen35_folder / "config.json", allow_hybrid=True)
+    config = ModelConfig.from_file(qwen35_folder / "config.json")
     assert config.layer_kinds == (LINEAR_ATTENTION, FULL_ATTENTION) * 2
     assert config.hybrid and config.unit_offset_norms and config.qk_norm
     assert (config.attention_layers, config.linear_layers, config.kv_layers) == ((1, 3), (0, 2), 2)
@@ -48,9 +47,9 @@ def test_layer_kinds_from_the_full_attention_interval_without_layer_types(qwen35
     raw = json.loads((qwen35_folder / "config.json").read_text())
     del raw["layer_types"]
     raw.update(num_hidden_layers=8)
-    config = ModelConfig.from_dict(raw, allow_hybrid=True)  # transformers' default: 4
+    config = ModelConfig.from_dict(raw)  # transformers' default: 4
     assert config.attention_layers == (3, 7) and config.kv_layers == 2
-    config = ModelConfig.from_dict({**raw, "full_attention_interval": 2}, allow_hybrid=True)
+    config = ModelConfig.from_dict({**raw, "full_attention_interval": 2})
     assert config.attention_layers == (1, 3, 5, 7)
 
 
@@ -63,15 +62,6 @@ def test_the_families_that_attend_in_every_layer_keep_kv_in_every_layer():
     )  # fmt: skip
     assert not config.hybrid and not config.unit_offset_norms
     assert (config.kv_layers, config.attention_layers, config.linear_layers) == (3, (0, 1, 2), ())
-
-
-def test_hybrid_models_are_refused_unless_asked(qwen35_folder):
-    """The engine does not keep linear layers' states yet: the default path refuses."""
-    raw = json.loads((qwen35_folder / "config.json").read_text())
-    with pytest.raises(ModelLoadError, match="hybrid model"):
-        ModelConfig.from_dict(raw)
-    with pytest.raises(ModelLoadError, match="hybrid model"):
-        load_model(str(qwen35_folder), dtype="float32", device="cpu")
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -221,12 +211,10 @@ def qwen3_next_folder(tmp_path_factory):
 
 
 def test_qwen3_next_config_reads_the_experts_beside_the_layer_kinds(qwen3_next_folder):
-    config = ModelConfig.from_file(qwen3_next_folder / "config.json", allow_hybrid=True)
+    config = ModelConfig.from_file(qwen3_next_folder / "config.json")
     assert (config.attention_layers, config.linear_layers) == ((1, 3), (0, 2))
     assert (config.num_experts, config.num_experts_per_tok, config.shared_expert_size) == (8, 2, 48)
     assert [config.layer_is_sparse(i) for i in range(4)] == [False, True, True, True]
-    with pytest.raises(ModelLoadError, match="hybrid model"):
-        ModelConfig.from_file(qwen3_next_folder / "config.json")
 
 
 @pytest.mark.parametrize("paged", [False, True])

@@ -13,7 +13,7 @@ import torch
 
 from kvchat.engine.request import GenerationRequest
 from kvchat.model.loader import load_model
-from tests.engine_helpers import Collector, small_engine
+from tests.engine_helpers import Collector, Progress, small_engine
 from tests.parity_helpers import hf_model
 from tests.tiny_models import write_tiny_model
 
@@ -125,7 +125,6 @@ def test_a_type_ahead_beside_a_stream_stays_within_the_slots(model):
     stream and the type-ahead both finish (with 8 slots the stream's window takes the
     draft's idle parts soon after, so its reuse is not asserted here)."""
     from kvchat.engine.type_ahead_pacer import MAX_CHUNK
-    from tests.test_engine_type_ahead import Progress
 
     draft = conversation(5, 200)
     with small_engine(model, **settings(model, pages=40, slots=9, host_cache_bytes=0)) as engine:

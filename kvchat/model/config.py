@@ -16,9 +16,8 @@ base of their own, normalizes with (1 + w) before and after attention and the
 feed-forward, scales its embeddings and queries and feeds forward through GELU (`gemma`);
 Qwen3.5 is hybrid: three layers in four replace attention by a linear-attention layer
 (Gated DeltaNet, `layer_kinds`, `delta_net`) whose memory is a per-sequence state rather
-than K/V, and its norms multiply by (1 + w) as Gemma's do. Hybrid models are parsed only
-when asked (`allow_hybrid`, `HYBRID_MODELS_RUN`): the engine does not yet store their
-states; Qwen3-Next is the same hybrid with Qwen3-MoE's experts and a gated shared
+than K/V (the engine keeps one per sequence), and its norms multiply by (1 + w) as
+Gemma's do; Qwen3-Next is the same hybrid with Qwen3-MoE's experts and a gated shared
 expert beside them (`shared_expert_size`). Anything else is refused here, with a
 message, before any weight is read.
 """
@@ -36,11 +35,12 @@ from kvchat.errors import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = (
     "gemma3_text", "gpt_oss", "llama", "ministral3", "mistral", "phi3", "qwen2", "qwen3",
-    "qwen3_moe", "smollm3",
+    "qwen3_5_text", "qwen3_moe", "qwen3_next", "smollm3",
 )  # fmt: skip
 SUPPORTED_FAMILIES = (
     "Gemma 3 (text), gpt-oss, Llama 2/3.x, Ministral 3, Mistral, Phi-3 / Phi-4-mini, "
-    "Qwen2/2.5, Qwen3 (dense and MoE), SmolLM2, SmolLM3, TinyLlama"
+    "Qwen2/2.5, Qwen3 (dense and MoE), Qwen3.5 (dense), Qwen3-Next, SmolLM2, SmolLM3, "
+    "TinyLlama"
 )
 GPT_OSS = "gpt_oss"
 # vision-language checkpoints whose text model kvchat runs (their images are not read)
@@ -48,13 +48,9 @@ TEXT_MODEL_OF = {"gemma3": "gemma3_text", "mistral3": "ministral3", "qwen3_5": "
 GEMMA3 = "gemma3_text"
 QWEN35 = "qwen3_5_text"
 QWEN3_NEXT = "qwen3_next"
-# Models with linear-attention layers beside full attention: the model runs them
-# (`qwen35_layer`), but the engine must keep a recurrent state per sequence and layer
-# beside the K/V pages before they can be chatted with. Until it does, `from_dict` refuses
-# them unless asked (`allow_hybrid=True`, as the model's parity tests do); the engine's
-# side sets this to True when its part lands.
+# Models with linear-attention layers beside full attention (`qwen35_layer`): the engine
+# keeps a state per sequence and linear layer beside the K/V pages (`sequence_states`)
 HYBRID_MODEL_TYPES = (QWEN35, QWEN3_NEXT)
-HYBRID_MODELS_RUN = False
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 # Gemma3TextConfig's defaults: the multimodal checkpoints' text_config leaves most out
@@ -272,9 +268,8 @@ class ModelConfig:
         return self.rope_layers is None or self.rope_layers[index]
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], *, allow_hybrid: bool | None = None) -> ModelConfig:
-        """The config of a Hugging Face `config.json` dict. Hybrid models (Qwen3.5) are
-        refused unless `allow_hybrid` (by default `HYBRID_MODELS_RUN`)."""
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """The config of a Hugging Face `config.json` dict."""
         model_type = str(raw.get("model_type", "")).lower()
         if model_type in TEXT_MODEL_OF and isinstance(raw.get("text_config"), dict):
             # Gemma 3 4B and up, Ministral 3, Qwen3.5: a vision model around the text one
@@ -285,15 +280,7 @@ class ModelConfig:
                 raw["tie_word_embeddings"] = bool(outer.get("tie_word_embeddings", False))
         if model_type == GEMMA3:
             raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
-        if model_type in HYBRID_MODEL_TYPES:
-            if not (HYBRID_MODELS_RUN if allow_hybrid is None else allow_hybrid):
-                archs = raw.get("architectures") or [model_type]
-                raise ModelLoadError(
-                    f"{archs[0]} (model_type {model_type!r}) is a hybrid model: linear-attention "
-                    "layers beside full attention, which kvchat's engine does not run yet. "
-                    f"kvchat runs {SUPPORTED_FAMILIES}. Pick a model of one of those with --model."
-                )
-        elif model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in SUPPORTED_MODEL_TYPES:
             archs = raw.get("architectures") or [model_type or "unknown"]
             raise ModelLoadError(
                 f"Unsupported architecture {archs[0]!r} (model_type {model_type!r}). kvchat runs "
@@ -359,7 +346,7 @@ class ModelConfig:
             ) from exc
 
     @classmethod
-    def from_file(cls, path: Path, *, allow_hybrid: bool | None = None) -> ModelConfig:
+    def from_file(cls, path: Path) -> ModelConfig:
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError as exc:
@@ -368,7 +355,7 @@ class ModelConfig:
             ) from exc
         except (OSError, json.JSONDecodeError) as exc:
             raise ModelLoadError(f"{path} cannot be read as JSON ({exc}).") from exc
-        return cls.from_dict(raw, allow_hybrid=allow_hybrid)
+        return cls.from_dict(raw)
 
 
 def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:

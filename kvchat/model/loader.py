@@ -73,7 +73,6 @@ def load_model(
     quantize: str | None = None,
     progress: Progress = lambda _msg: None,
     name: str | None = None,
-    allow_hybrid: bool | None = None,
 ) -> LoadedModel:
     """Load a model from any source.
 
@@ -81,9 +80,7 @@ def load_model(
     path); "bf16"/"dense" dequantizes everything to the compute dtype. `quantize`
     ("int8"/"int4") quantizes a Hugging Face folder's matrices at load. `name` is what
     the model is called where it is shown (the name it was asked by, where the file's
-    own is a store's blob name); the file's or folder's name otherwise. `allow_hybrid`:
-    load a hybrid model (Qwen3.5) though the engine does not run it yet (the model's
-    tests; `config.HYBRID_MODELS_RUN` by default).
+    own is a store's blob name); the file's or folder's name otherwise.
     """
     from kvchat.model.registry import resolve_model  # registry imports the default-model fetcher
 
@@ -100,7 +97,7 @@ def load_model(
     else:
         folder = source
         fingerprint = folder_fingerprint(folder)
-    config = ModelConfig.from_file(folder / "config.json", allow_hybrid=allow_hybrid)
+    config = ModelConfig.from_file(folder / "config.json")
     tokenizer = Tokenizer.from_folder(folder)
     progress(f"Loading {name or source.name} ({dtype_name(torch_dtype)} on {dev.type})...")
     # a converted folder holds one weights file per dtype and the prepared 4-bit caches:

@@ -1,0 +1,78 @@
+"""Hybrid models (Qwen3.5, Qwen3-Next) through the engine: each sequence's linear-layer
+state carried from step to step, sequences side by side, and every admission computed
+from the first token (no prefix of such a model is reused yet), with transformers'
+greedy text as the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.engine.request import GenerationRequest, SamplingParams
+from kvchat.model.loader import load_model
+from tests.engine_helpers import Collector, Progress, generate, small_engine
+from tests.parity_helpers import hf_model
+from tests.tiny_models import write_tiny_model
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next"])
+def family(request, tmp_path_factory):
+    folder = write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+    return folder, load_model(str(folder), dtype="float32", device="cpu")
+
+
+def theirs(folder, ids: list[int], tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model(folder).generate(
+            torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, eos_token_id=None
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 17 + 5 * i) % 200 + 3 for i in range(n)]
+
+
+@pytest.mark.parametrize("attention", ["native", "sdpa"])
+def test_greedy_text_in_prefill_chunks_and_steps_equals_transformers(family, attention):
+    folder, model = family
+    ids = prompt(1, 90)
+    ours = generate(
+        model, ids, max_tokens=20, ignore_eos=True, attention=attention, step_token_budget=8,
+        max_batch=4,
+    )  # fmt: skip
+    assert ours == theirs(folder, ids, 20)
+
+
+def test_sequences_side_by_side_each_continue_their_own_state(family):
+    folder, model = family
+    prompts = [prompt(seed, n) for seed, n in ((2, 12), (3, 47), (4, 80))]
+    with small_engine(model, step_token_budget=32, max_batch=4) as engine:
+        collectors = [Collector() for _ in prompts]
+        for ids, c in zip(prompts, collectors, strict=True):
+            engine.submit(GenerationRequest(tuple(ids), SamplingParams(), 12, ignore_eos=True), c)
+        together = [list(c.wait().generated_ids) for c in collectors]
+        assert engine.sequence_states is not None and len(engine.sequence_states) == 0
+    assert together == [theirs(folder, ids, 12) for ids in prompts]
+
+
+def test_a_follow_up_is_computed_from_its_first_token_and_a_type_ahead_does_nothing(family):
+    folder, model = family
+    first = prompt(5, 40)
+    with small_engine(model) as engine:
+        c = Collector()
+        engine.submit(GenerationRequest(tuple(first), max_tokens=6, ignore_eos=True), c)
+        answer = list(c.wait().generated_ids)
+        follow_up = [*first, *answer, 9, 10, 11]
+        assert engine.residency(follow_up).nowhere == len(follow_up)
+        progress = Progress()
+        engine.type_ahead(follow_up, progress)  # ends at once, computing nothing
+        c = Collector()
+        engine.submit(GenerationRequest(tuple(follow_up), max_tokens=6, ignore_eos=True), c)
+        done = c.wait()
+        assert done.error is None and done.cached_tokens.total == 0 and done.draft_tokens == 0
+        assert engine.stats().cache.draft_tokens == 0 and not progress.events
+        assert list(done.generated_ids) == theirs(folder, follow_up, 6)
+        stats = engine.stats()
+        assert stats.pages.host.capacity == 0 and stats.window is None
+        engine.validate_cache()
