@@ -209,3 +209,22 @@ def test_zero_state_has_the_documented_shapes(qwen3_5):
     assert state.conv.shape == (3, conv_dim)
     assert state.recurrent.shape == (4, 16, 8)
     assert not state.conv.any() and not state.recurrent.any()
+
+
+def test_the_states_kept_within_a_call_are_those_after_its_prefixes(qwen3_5):
+    """`forward_keeping` cuts the rule where states are wanted (a page of the cache ends):
+    the same outputs as one call, and each kept state the one a call over that prefix
+    leaves; a prefill resumed from a kept state goes on as if never cut."""
+    layer = kvchat_layer(qwen3_5)
+    x = prompt(100)
+    start = layer.zero_state()
+    whole, final = layer.forward(x, start)
+    out, last, kept = layer.forward_keeping(x, start, (1, 37, 64, 100))
+    assert rel_err(out, whole) < 1e-5 and rel_err(last.recurrent, final.recurrent) < 1e-5
+    assert len(kept) == 4 and kept[-1] is last
+    for offset, state in zip((1, 37, 64), kept, strict=False):
+        _, alone = layer.forward(x[:offset], start)
+        assert torch.allclose(state.conv, alone.conv, rtol=1e-5, atol=1e-6)  # in_proj on T rows
+        assert rel_err(state.recurrent, alone.recurrent) < 1e-5
+    resumed, _ = layer.forward(x[37:], kept[1])
+    assert rel_err(resumed, whole[37:]) < 1e-5

@@ -1,7 +1,7 @@
 """Hybrid models (Qwen3.5, Qwen3-Next) through the engine: each sequence's linear-layer
-state carried from step to step, sequences side by side, and every admission computed
-from the first token (no prefix of such a model is reused yet), with transformers'
-greedy text as the oracle."""
+state carried from step to step, sequences side by side, and a follow-up resumed from the
+state kept where the last full page of its history ends, with transformers' greedy text
+as the oracle."""
 
 from __future__ import annotations
 
@@ -56,23 +56,44 @@ def test_sequences_side_by_side_each_continue_their_own_state(family):
     assert together == [theirs(folder, ids, 12) for ids in prompts]
 
 
-def test_a_follow_up_is_computed_from_its_first_token_and_a_type_ahead_does_nothing(family):
+def test_a_follow_up_resumes_from_the_state_at_its_last_full_page(family):
     folder, model = family
     first = prompt(5, 40)
-    with small_engine(model) as engine:
+    with small_engine(model) as engine:  # pages of 16 tokens
         c = Collector()
         engine.submit(GenerationRequest(tuple(first), max_tokens=6, ignore_eos=True), c)
         answer = list(c.wait().generated_ids)
-        follow_up = [*first, *answer, 9, 10, 11]
-        assert engine.residency(follow_up).nowhere == len(follow_up)
+        follow_up = [*first, *answer, 9, 10, 11]  # 49 tokens; 45 computed, 2 full pages
+        r = engine.residency(follow_up)
+        assert (r.device, r.nowhere) == (32, 17)
         progress = Progress()
         engine.type_ahead(follow_up, progress)  # ends at once, computing nothing
         c = Collector()
         engine.submit(GenerationRequest(tuple(follow_up), max_tokens=6, ignore_eos=True), c)
         done = c.wait()
-        assert done.error is None and done.cached_tokens.total == 0 and done.draft_tokens == 0
-        assert engine.stats().cache.draft_tokens == 0 and not progress.events
+        assert done.error is None and done.cached_tokens.device == 32
+        assert done.draft_tokens == 0 and not progress.events
         assert list(done.generated_ids) == theirs(folder, follow_up, 6)
         stats = engine.stats()
         assert stats.pages.host.capacity == 0 and stats.window is None
+        assert stats.states_kept > 0 and stats.state_bytes > 0
         engine.validate_cache()
+
+
+def test_a_state_let_go_resumes_from_an_earlier_one(family):
+    folder, model = family
+    first = prompt(6, 70)
+    with small_engine(model) as engine:
+        c = Collector()
+        engine.submit(GenerationRequest(tuple(first), max_tokens=4, ignore_eos=True), c)
+        answer = list(c.wait().generated_ids)
+        engine.table.states.capacity = 2  # the first conversation's page ends 16 and 32 go
+        c = Collector()
+        engine.submit(GenerationRequest(tuple(prompt(7, 40)), max_tokens=2), c)
+        c.wait()
+        follow_up = [*first, *answer, 9]
+        c = Collector()
+        engine.submit(GenerationRequest(tuple(follow_up), max_tokens=6, ignore_eos=True), c)
+        done = c.wait()
+        assert done.cached_tokens.device in (0, 48, 64)  # wherever a state was left
+        assert list(done.generated_ids) == theirs(folder, follow_up, 6)

@@ -66,3 +66,14 @@ def test_the_residency_bar_shows_tokens_only_on_disk() -> None:
     assert bar_cells(r, 16) == (4, 2, 8, 2)
     assert residency_bar(r, 16).plain == "████▓▓▒▒▒▒▒▒▒▒░░"
     assert bar_cells(Residency(device=10, host=0, nowhere=6), 16) == (10, 0, 0, 6)
+
+
+async def test_the_cache_panel_shows_a_hybrid_models_kept_states() -> None:
+    app = MetersApp()
+    async with app.run_test() as pilot:
+        meters = app.query_one(Meters)
+        meters.update_meters(
+            replace(stats(TierPages(), 0, 0), states_kept=3, state_bytes=3 << 20), None, None
+        )
+        await pilot.pause()
+        assert "states 3 kept (3.0MiB)" in meters.values["pages"]

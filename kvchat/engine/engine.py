@@ -40,7 +40,7 @@ from kvchat.engine.request import FinishReason, GenerationRequest
 from kvchat.engine.sampling import sample_step
 from kvchat.engine.scheduler import Scheduler, StepPlan
 from kvchat.engine.sequence import Sequence
-from kvchat.engine.sequence_states import SequenceStates
+from kvchat.engine.sequence_states import SequenceStates, StepStates
 from kvchat.engine.stats import DiskBytes, EngineStats, Residency, TierPages
 from kvchat.engine.tiers.disk_tier import DiskTier
 from kvchat.model.batch import ForwardBatch
@@ -119,8 +119,9 @@ class Engine:
             native_build.request()  # in the background: torch's kernels serve until it loads
         self.scheduler = Scheduler(self.config, self.table, self.max_context)
         # a hybrid model's linear layers: each live sequence's state between its steps
-        linear = mc.num_layers - mc.kv_layers
-        self.sequence_states = SequenceStates(linear) if linear else None
+        linear = len(mc.linear_layers)
+        self.sequence_states = SequenceStates(linear, ps) if linear else None
+        self._kept_states: StepStates | None = None  # the last forward's, for postprocess
         self.stop_ids = frozenset(self.tokenizer.stop_token_ids)
 
         self._lock = threading.Lock()  # guards the page table and the inbox
@@ -329,6 +330,7 @@ class Engine:
     def _run(self, step: _ScheduledStep) -> list[int | None] | None:
         """The forward pass, outside the lock, and the tokens it gives; on failure this
         step's sequences fail (None)."""
+        self._kept_states = None
         try:
             if step.window_page_lists is None:
                 self.attention.prepare(step.batch, step.page_lists)
@@ -338,11 +340,10 @@ class Engine:
             if self.sequence_states is None:
                 logits = self.transformer.forward(step.batch, self.attention)
             else:  # a hybrid model: its linear layers continue each sequence's state
-                runs = step.plan.runs
-                states = self.sequence_states.for_step(
-                    [seq.id for seq, _ in runs], [seq.num_computed for seq, _ in runs]
-                )
+                runs = [(seq.id, seq.num_computed, n) for seq, n in step.plan.runs]
+                states = self.sequence_states.for_step(runs, self.table.resume_state)
                 logits = self.transformer.forward(step.batch, self.attention, states)
+                self._kept_states = states
         except Exception as exc:  # fail this step's sequences, keep serving the others
             log.exception("forward pass failed")
             with self._lock:
@@ -353,11 +354,22 @@ class Engine:
     def _postprocess(self, step: _ScheduledStep, sampled: list[int | None], started: float) -> None:
         """The scheduler moves every run on (tokens, events, pacers); then the stats."""
         with self._lock:
+            if self._kept_states is not None:  # before a finished sequence's pages settle
+                self._keep_states_at_page_ends(step, self._kept_states)
+                self._kept_states = None
             done = self.scheduler.postprocess(step.plan, sampled, started)
             if self.sequence_states is not None:
                 self.sequence_states.forget_ended(self.table.is_live)
             self._rates.add(done.ended, done.decode_tokens, done.prefill_tokens, started=started)
             self._publish_stats()
+
+    def _keep_states_at_page_ends(self, step: _ScheduledStep, states: StepStates) -> None:
+        """Hand the table the linear layers' states where this step ended pages."""
+        S = self.config.page_size
+        for (run, offset), layers in states.kept.items():
+            seq, _ = step.plan.runs[run]
+            end = seq.num_computed + offset  # a multiple of S: the page before it ends there
+            self.table.keep_state(step.page_lists[run][end // S - 1], tuple(layers))
 
     def _idle_step(self) -> bool:
         """Fail a prompt that can never fit, else one slice of housekeeping; False when done."""
@@ -470,4 +482,6 @@ class Engine:
             time=now,
             window=t.window,
             window_let_go=self.table.window.let_go if self.table.window is not None else 0,
+            states_kept=len(self.table.states) if self.table.states is not None else 0,
+            state_bytes=self.table.states.nbytes() if self.table.states is not None else 0,
         )

@@ -13,8 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from kvchat.engine.cache.page_hash import root_salt
 from kvchat.engine.cache.page_table import PageTable
+from kvchat.engine.cache.state_snapshots import StateSnapshots
 from kvchat.engine.cache.window_slots import WindowSlots
 from kvchat.engine.config import EngineConfig, default_cache_bytes
 from kvchat.engine.layer_groups import LayerGroups
@@ -35,6 +38,12 @@ from kvchat.model.device import dtype_name
 # a conversation of four windows' length keeps its last window's parts, and the rest
 # goes to more pages (its full-attention layers).
 WINDOW_SLOTS_PER_PAGE = 0.25
+
+
+# A hybrid model's states kept at page ends: this share of the device cache (a real
+# Qwen3.5's state is tens of MB), and at least this many (a few conversations' ends)
+STATE_SHARE = 0.1
+MIN_STATES = 4
 
 
 @dataclass(frozen=True)
@@ -65,10 +74,14 @@ def build_kv_cache(
     dev_bytes = config.device_cache_bytes or default_dev
     host_bytes = default_host if config.host_cache_bytes is None else config.host_cache_bytes
     ps, kv_format = config.page_size, config.kv_format
-    # a hybrid model's linear layers keep a state per sequence, not K/V (`sequence_states`);
-    # until that state is kept at page ends, none of its prefixes can be reused, so it has
-    # no host or disk tier and its table starts every sequence from its first token
+    # a hybrid model's linear layers keep a state per sequence, not K/V (`sequence_states`),
+    # and the table keeps states at page ends (`state_snapshots`), on the device only: it
+    # has no host or disk tier, whose pages could not be resumed from
     hybrid = mc.kv_layers != mc.num_layers
+    states = None
+    if hybrid:
+        states = _state_snapshots(mc, dtype, dev_bytes)
+        dev_bytes -= states.capacity * states.state_bytes
     geometry = (mc.kv_layers, ps, mc.num_kv_heads, mc.head_dim, dtype)
     groups = LayerGroups.of(mc.layer_windows if split_windowed else None, mc.kv_layers)
     num_pages = pages_for_bytes(dev_bytes, *geometry, kv_format)
@@ -115,7 +128,7 @@ def build_kv_cache(
         root = config.disk_cache_dir or app_paths().kv_cache_dir
         disk = DiskTier(root, fmt, config.disk_cache_bytes, busy=busy)
     host = HostTier(host_slots) if host_slots else None
-    table = PageTable(num_pages, ps, salt, host, mover, disk, window, prefix_reuse=not hybrid)
+    table = PageTable(num_pages, ps, salt, host, mover, disk, window, states=states)
     return KVCache(store, window_store, groups, host_store, mover, disk, table)
 
 
@@ -144,3 +157,15 @@ def _split_pool(
         pages = max(0, (nbytes - slot_bytes) // per_page)
         slots = pages + 1
     return pages, slots
+
+
+def _state_snapshots(mc, dtype, nbytes: int) -> StateSnapshots:
+    """The states a hybrid model's table keeps at page ends: `STATE_SHARE` of the device
+    cache, and at least `MIN_STATES`."""
+    shape = mc.delta_net
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    conv = (shape.conv_kernel - 1) * shape.conv_dim * itemsize
+    recurrent = shape.num_v_heads * shape.head_k_dim * shape.head_v_dim * 4  # float32
+    state_bytes = len(mc.linear_layers) * (conv + recurrent)
+    capacity = max(MIN_STATES, int(STATE_SHARE * nbytes) // state_bytes)
+    return StateSnapshots(capacity, state_bytes)

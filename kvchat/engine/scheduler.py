@@ -272,7 +272,8 @@ class Scheduler:
 
     def _schedule_type_ahead(self, plan: StepPlan) -> None:
         """Reserve the oldest type-ahead's next chunk as the plan's last run, if one may run."""
-        if not self.table.prefix_reuse:  # nothing it computes could be reused: done at once
+        if self.table.states is not None:  # a hybrid model: its chunks would each resume
+            # from the last page's state, computing the rest again: not worth it
             for seq in list(self.type_aheads.values()):
                 self.finish(seq, FinishReason.STOP)
             return

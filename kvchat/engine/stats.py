@@ -79,6 +79,9 @@ class EngineStats:
     # many idle parts were let go for a slot another page wanted
     window: TierPages | None = None
     window_let_go: int = 0
+    # a hybrid model: its linear layers' states kept at page ends, and their bytes
+    states_kept: int = 0
+    state_bytes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -109,5 +112,7 @@ class EngineStats:
             "time": self.time,
             "window_slots": asdict(self.window) if self.window is not None else None,
             "window_let_go": self.window_let_go,
+            "states_kept": self.states_kept,
+            "state_bytes": self.state_bytes,
             "hit_rate": self.hit_rate,
         }

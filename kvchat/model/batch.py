@@ -11,6 +11,7 @@ no K/V: they read and write one fixed-size state per sequence and layer through
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -103,6 +104,15 @@ class RecurrentStates(Protocol):
         written in place)."""
         ...
 
+    def keep_at(self, run: int) -> Sequence[int]:
+        """Where within this run's new tokens (ascending counts, 1 to its length) the
+        caller wants the state as well: where a page of the cache ends."""
+        ...
+
+    def keep(self, layer: int, run: int, offset: int, state: DeltaNetState) -> None:
+        """The state after the run's first `offset` new tokens, for an offset `keep_at` named."""
+        ...
+
 
 class FreshStates:
     """Every run starts from zeros; each update is kept and handed back by `state`, so the
@@ -117,6 +127,12 @@ class FreshStates:
 
     def update(self, layer: int, run: int, state: DeltaNetState) -> None:
         self.saved[(layer, run)] = state
+
+    def keep_at(self, run: int) -> Sequence[int]:
+        return ()
+
+    def keep(self, layer: int, run: int, offset: int, state: DeltaNetState) -> None:
+        raise AssertionError("no state was asked to be kept")
 
 
 def window_mask(

@@ -27,6 +27,8 @@ read).
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +134,16 @@ class GatedDeltaNet:
     ) -> tuple[torch.Tensor, DeltaNetState]:
         """(output [T, hidden], the state after these T tokens). The chunked rule for a
         prefill (T > 1) from any state, the recurrent rule for one decoded token."""
+        out, new_state, _ = self.forward_keeping(x, state, ())
+        return out, new_state
+
+    def forward_keeping(
+        self, x: torch.Tensor, state: DeltaNetState, keep_at: Sequence[int]
+    ) -> tuple[torch.Tensor, DeltaNetState, list[DeltaNetState]]:
+        """`forward`, and the states after the first `o` tokens for each `o` in `keep_at`
+        (ascending, 1 to T): the engine keeps the state where a page of the cache ends,
+        so a conversation can later resume there. The rule runs segment by segment
+        between those points (the same recurrence, cut where a state is wanted)."""
         s = self.shape
         t = x.shape[0]
         projected = self.in_proj(x)  # [T, conv_dim + value_dim + 2 Hv]
@@ -145,8 +157,13 @@ class GatedDeltaNet:
             window.T.unsqueeze(0).to(self.conv_weight.dtype), self.conv_weight, groups=s.conv_dim
         )
         mixed = F.silu(conv[0].T).to(x.dtype)  # [T, conv_dim]
-        # a copy: a view would keep the whole prefill's window alive with the state
-        new_conv = window[window.shape[0] - (s.conv_kernel - 1) :].clone()
+
+        # copies: a view would keep the whole prefill's window alive with the state; the
+        # state after o tokens convolves the K - 1 inputs before token o next
+        def conv_after(o: int) -> torch.Tensor:
+            return window[o : o + s.conv_kernel - 1].clone()
+
+        new_conv = conv_after(t)
 
         q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], -1)
         beta = b.sigmoid()  # [T, Hv]: in the activation dtype, as transformers rounds it
@@ -164,13 +181,25 @@ class GatedDeltaNet:
         q = q * s.head_k_dim**-0.5
         v = v.view(t, s.num_v_heads, s.head_v_dim).float().transpose(0, 1)
         beta, g = beta.float().T, g.T  # [Hv, T]
-        rule = recurrent_rule if t == 1 else chunk_rule
-        out, recurrent = rule(q, k, v, g, beta, state.recurrent)  # [Hv, T, Dv]
+        recurrent, parts, kept = state.recurrent, [], []
+        bounds = [0, *(o for o in keep_at if 0 < o < t), t]
+        for a, b in itertools.pairwise(bounds):
+            rule = recurrent_rule if b - a == 1 else chunk_rule
+            part, recurrent = rule(
+                q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], recurrent
+            )  # [Hv, b - a, Dv]
+            parts.append(part)
+            if b < t:
+                kept.append(DeltaNetState(conv_after(b), recurrent))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
         out = self._gated_norm(
             out.transpose(0, 1).to(x.dtype), z.view(t, s.num_v_heads, s.head_v_dim)
         )
-        return self.out_proj(out.reshape(t, s.value_dim)), DeltaNetState(new_conv, recurrent)
+        final = DeltaNetState(new_conv, recurrent)
+        if keep_at and keep_at[-1] == t:
+            kept.append(final)
+        return self.out_proj(out.reshape(t, s.value_dim)), final, kept
 
     __call__ = forward
 

@@ -126,8 +126,11 @@ class Qwen35Layer:
             state = states.state(self.ordinal, run)
             if state is None:
                 state = delta_net.zero_state(x.device)
-            out, state = delta_net(part, state)
+            keep_at = states.keep_at(run)
+            out, state, kept = delta_net.forward_keeping(part, state, keep_at)
             states.update(self.ordinal, run, state)
+            for offset, state_there in zip(keep_at, kept, strict=True):
+                states.keep(self.ordinal, run, offset, state_there)
             outs.append(out)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

@@ -158,6 +158,10 @@ class Meters(Vertical):
             if tier == "device" and window is not None:  # the windowed layers' slots
                 counts = f"{window.active}/{window.cached}/{window.free}"
                 lines.append(Content.assemble("window ", tier_bar(window), f"\n       {counts}"))
+            kept = getattr(stats, "states_kept", 0)
+            if tier == "device" and kept:  # a hybrid model's states at page ends
+                size = format_size(getattr(stats, "state_bytes", 0))
+                lines.append(Content(f"states {kept:,} kept ({size})"))
         self._set("pages", Content("\n").join(lines))
 
         ev = stats.cache.evictions

@@ -26,7 +26,7 @@ class Page:
 class SeqPages:
     """The pages of one live sequence, in order, and how many of its tokens are written."""
 
-    __slots__ = ("num_tokens", "pages", "type_ahead", "window_from", "window_to")
+    __slots__ = ("num_tokens", "pages", "resume_state", "type_ahead", "window_from", "window_to")
 
     def __init__(self, pages: list[int], num_tokens: int, type_ahead: bool = False) -> None:
         self.pages = pages
@@ -35,3 +35,5 @@ class SeqPages:
         # its pages [window_from, window_to) hold their window part for it (`window_slots`)
         self.window_from = 0
         self.window_to = 0
+        # a hybrid model's: the linear layers' state it resumes from (`state_snapshots`)
+        self.resume_state: object = None

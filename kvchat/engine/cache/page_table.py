@@ -42,6 +42,7 @@ from kvchat.engine.cache.page_records import Page, SeqPages
 from kvchat.engine.cache.page_table_invariants import PageTableCorrupt, page_table_problems
 from kvchat.engine.cache.page_table_views import PageInfo, PageTableStats, Reservation
 from kvchat.engine.cache.prefix_index import PrefixIndex, PrefixMatch
+from kvchat.engine.cache.state_snapshots import StateSnapshots
 from kvchat.engine.cache.window_slots import WindowSlots
 from kvchat.engine.events import CachedTokens
 from kvchat.engine.per_tier import PerTier
@@ -69,13 +70,12 @@ class PageTable:
         disk: DiskStore | None = None,
         window: WindowSlots | None = None,
         *,
-        prefix_reuse: bool = True,
+        states: StateSnapshots | None = None,
     ) -> None:
         """`window`: where the model keeps its windowed layers apart, which pages keep
         their part of them (`window_slots`); None: every layer of every page is kept.
-        `prefix_reuse` False: no admission starts from a cached prefix (a hybrid model,
-        whose linear layers' state at a prefix's end is not kept), so every sequence is
-        computed from its first token and residency counts nothing as cached."""
+        `states`: a hybrid model's linear-layer states kept at page ends
+        (`state_snapshots`): a prefix is used up to the last page with one."""
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         if page_size < 1:
@@ -92,7 +92,7 @@ class PageTable:
         self._clock = 0  # logical: one tick per operation
         self._counters = CacheCounters()
         self._window = window
-        self.prefix_reuse = prefix_reuse
+        self.states = states
         self._tiers = LowerTiers(
             host,
             disk,
@@ -152,7 +152,7 @@ class PageTable:
             tiers=self._tiers,
             can_allocate=self._can_allocate,
             can_take_over=self._can_take_over,
-            window_cut=self._window_cut if window is not None else self._no_reuse_cut,
+            window_cut=self._window_cut if window is not None else self._states_cut,
         )
         if plan is None:
             return None
@@ -221,6 +221,8 @@ class PageTable:
 
         found = CachedTokens(on_device, on_host, on_disk)
         seq = self._seqs[seq_id] = SeqPages(pages, found.total, is_type_ahead)
+        if self.states is not None and found.total:  # resumes after its last page's state
+            seq.resume_state = self.states.get(pages[found.total // ps - 1])
         if window is not None:
             seq.window_from, seq.window_to = window_from, -(-matched // ps)
         if count_as == "prompt":
@@ -398,13 +400,15 @@ class PageTable:
         start again (its window let go) counts as nowhere: it would be computed. Pages only
         the disk holds are taken to have their part (their files are not read here)."""
         tokens = tuple(token_ids)
-        if not self.prefix_reuse:
-            return Residency(0, 0, 0, nowhere=len(tokens))
         walk = self._index.walk(
             tokens, len(tokens), self.salt, self.host, host_tail=False, disk=self.disk
         )
-        if self._window is not None:
-            start = self._window_cut(walk, {}, unread_disk_kept=True)
+        cut = self._states_cut
+        if self._window is not None or cut is not None:
+            if cut is not None:
+                start = cut(walk, {})
+            else:
+                start = self._window_cut(walk, {}, unread_disk_kept=True)
             if start < len(walk.chain) * self.page_size + walk.tail_len:
                 walk = self._index.walk(
                     tokens, start, self.salt, self.host, host_tail=False, disk=self.disk
@@ -425,8 +429,6 @@ class PageTable:
         """
         tokens = tuple(token_ids)
         ps = self.page_size
-        if not self.prefix_reuse:
-            return 0
         while True:  # again when a disk page failed its checks (it is gone now)
             walk = self._index.walk(
                 tokens, len(tokens), self.salt, self.host, host_tail=False, disk=self.disk
@@ -634,6 +636,8 @@ class PageTable:
         self._cached.discard(p)
         if self._window is not None:
             self._window.drop(p)
+        if self.states is not None:
+            self.states.drop(p)
         page.hash = None
         page.parent = None
         page.tokens = []
@@ -696,6 +700,8 @@ class PageTable:
         self._cached.add(dst)
         if self._window is not None:
             self._window.moved(src, dst)
+        if self.states is not None:
+            self.states.moved(src, dst)
 
     # ---- the windowed layers' parts ------------------------------------------------------
 
@@ -757,9 +763,32 @@ class PageTable:
         return next((k * ps for k in range(len(chain), 0, -1) if whole(k * ps)), 0)
 
     @property
-    def _no_reuse_cut(self) -> Any:
-        """For `plan_admission`: None (matches are used), or a cut to 0 (`prefix_reuse`)."""
-        return None if self.prefix_reuse else (lambda walk, from_disk: 0)
+    def _states_cut(self) -> Any:
+        """For `plan_admission`, where the table keeps linear-layer states: a walk is
+        usable up to its last device page that has its state (`state_snapshots`)."""
+        states = self.states
+        if states is None:
+            return None
+
+        def cut(walk: PrefixMatch, from_disk: dict[bytes, Any]) -> int:
+            for k in range(len(walk.chain), 0, -1):
+                p = walk.chain[k - 1][1]
+                if p is not None and states.has(p):
+                    return k * self.page_size
+            return 0
+
+        return cut
+
+    def keep_state(self, page: int, state: Any) -> None:
+        """A step ended page `page` of a sequence: keep the linear layers' state there."""
+        assert self.states is not None, "this table keeps no states"
+        self.states.put(page, state)
+
+    def resume_state(self, seq_id: int) -> Any:
+        """The state an admitted sequence resumes from (at its cached prefix's end), once."""
+        seq = self._seq(seq_id)
+        state, seq.resume_state = seq.resume_state, None
+        return state
 
     def _window_replaces(self, p: int) -> bool:
         """Page `p` just became full with the hash of a cached page that lost its window

@@ -1,0 +1,68 @@
+"""A hybrid model's linear-layer states kept where pages of the cache end, so a
+conversation can resume from a cached prefix.
+
+A linear-attention layer's memory of a prefix is one state, not K/V per token, and a
+state cannot be taken back to an earlier token. So a prefix is usable only up to a page
+end where the state after it was kept: each time a sequence's step ends a page (a
+prefill chunk crossing its end, or the decode that fills it), the state there is kept,
+named by that page, and a later request's match is cut back to the last page with one
+(`PageTable._state_cut`). It then computes only what follows that page: the tokens of
+the partial page after it and the new ones.
+
+States are large (a real model's are megabytes a layer), so at most `capacity` are
+kept, the least recently used let go first; a conversation's newest is its most
+recently used, so what is kept is where conversations can resume. A state belongs to
+its page: it goes when the page leaves the device (the host and disk tiers keep no
+states yet) and moves with it.
+
+Pure bookkeeping: the states are opaque here (the engine's tensors); the page table
+calls this from the step thread.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+
+class StateSnapshots:
+    def __init__(self, capacity: int, state_bytes: int) -> None:
+        """At most `capacity` states, each `state_bytes` bytes (for the stats)."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.state_bytes = state_bytes
+        self._kept: OrderedDict[int, Any] = OrderedDict()  # page -> state; oldest use first
+        self.let_go = 0  # states given up for newer ones
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def has(self, page: int) -> bool:
+        return page in self._kept
+
+    def get(self, page: int) -> Any:
+        """The state kept at `page`'s end (it counts as used now)."""
+        self._kept.move_to_end(page)
+        return self._kept[page]
+
+    def put(self, page: int, state: Any) -> None:
+        """Keep the state at `page`'s end, letting the least recently used go if full."""
+        self._kept[page] = state
+        self._kept.move_to_end(page)
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+            self.let_go += 1
+
+    def drop(self, page: int) -> None:
+        """`page` leaves the device or is emptied: its state goes with it."""
+        self._kept.pop(page, None)
+
+    def moved(self, src: int, dst: int) -> None:
+        """Defragmentation moved page `src` to `dst`: its state follows, in the same place
+        of the order of use."""
+        if src in self._kept:
+            self._kept = OrderedDict((dst if p == src else p, s) for p, s in self._kept.items())
+
+    def nbytes(self) -> int:
+        return len(self._kept) * self.state_bytes
