@@ -66,13 +66,10 @@ def test_a_follow_up_resumes_from_the_state_at_its_last_full_page(family):
         follow_up = [*first, *answer, 9, 10, 11]  # 49 tokens; 45 computed, 2 full pages
         r = engine.residency(follow_up)
         assert (r.device, r.nowhere) == (32, 17)
-        progress = Progress()
-        engine.type_ahead(follow_up, progress)  # ends at once, computing nothing
         c = Collector()
         engine.submit(GenerationRequest(tuple(follow_up), max_tokens=6, ignore_eos=True), c)
         done = c.wait()
         assert done.error is None and done.cached_tokens.device == 32
-        assert done.draft_tokens == 0 and not progress.events
         assert list(done.generated_ids) == theirs(folder, follow_up, 6)
         stats = engine.stats()
         assert stats.pages.host.capacity == 0 and stats.window is None
@@ -97,3 +94,17 @@ def test_a_state_let_go_resumes_from_an_earlier_one(family):
         done = c.wait()
         assert done.cached_tokens.device in (0, 48, 64)  # wherever a state was left
         assert list(done.generated_ids) == theirs(folder, follow_up, 6)
+
+
+def test_a_type_ahead_is_kept_at_page_ends_and_its_turn_resumes_there(family):
+    folder, model = family
+    draft = prompt(8, 100)
+    with small_engine(model) as engine:  # pages of 16 tokens
+        progress = Progress()
+        engine.type_ahead(draft, progress)
+        assert progress.wait_done().ready_tokens == len(draft)
+        c = Collector()
+        engine.submit(GenerationRequest((*draft, 4, 5), max_tokens=6, ignore_eos=True), c)
+        done = c.wait()
+        assert done.cached_tokens.device == 96 and done.draft_tokens == 96
+        assert list(done.generated_ids) == theirs(folder, [*draft, 4, 5], 6)

@@ -272,11 +272,6 @@ class Scheduler:
 
     def _schedule_type_ahead(self, plan: StepPlan) -> None:
         """Reserve the oldest type-ahead's next chunk as the plan's last run, if one may run."""
-        if self.table.states is not None:  # a hybrid model: its chunks would each resume
-            # from the last page's state, computing the rest again: not worth it
-            for seq in list(self.type_aheads.values()):
-                self.finish(seq, FinishReason.STOP)
-            return
         prompts_pending = bool(self.waiting) or plan.decodes < len(plan.runs)
         slots_free = self.config.max_batch - len(self.running)
         if prompts_pending or not self.type_aheads or slots_free <= 0:
@@ -299,6 +294,11 @@ class Scheduler:
                 self.finish(seq, FinishReason.STOP)
                 continue
             end = min(len(seq.tokens), seq.num_computed + budget)
+            if self.table.states is not None and end < len(seq.tokens):
+                # a hybrid model's next chunk resumes from the state at a page end: end
+                # this one at a page end where it reaches one, so nothing is computed twice
+                page_end = end // self.table.page_size * self.table.page_size
+                end = page_end if page_end > seq.num_computed else end
             reservation = self.table.reserve(seq.id, seq.tokens[:end], count_as="type_ahead")
             if reservation is None:
                 return  # no room even for a chunk: try again next step
