@@ -400,19 +400,7 @@ class PageTable:
         start again (its window let go) counts as nowhere: it would be computed. Pages only
         the disk holds are taken to have their part (their files are not read here)."""
         tokens = tuple(token_ids)
-        walk = self._index.walk(
-            tokens, len(tokens), self.salt, self.host, host_tail=False, disk=self.disk
-        )
-        cut = self._states_cut
-        if self._window is not None or cut is not None:
-            if cut is not None:
-                start = cut(walk, {})
-            else:
-                start = self._window_cut(walk, {}, unread_disk_kept=True)
-            if start < len(walk.chain) * self.page_size + walk.tail_len:
-                walk = self._index.walk(
-                    tokens, start, self.salt, self.host, host_tail=False, disk=self.disk
-                )
+        walk = self._usable_walk(tokens)
         ps = self.page_size
         device = sum(ps for _, p in walk.chain if p is not None) + walk.tail_len
         lower = [h for h, p in walk.chain if p is None]
@@ -430,9 +418,7 @@ class PageTable:
         tokens = tuple(token_ids)
         ps = self.page_size
         while True:  # again when a disk page failed its checks (it is gone now)
-            walk = self._index.walk(
-                tokens, len(tokens), self.salt, self.host, host_tail=False, disk=self.disk
-            )
+            walk = self._usable_walk(tokens)
             on_device = {p for _, p in walk.chain if p is not None}
             k = min(
                 sum(1 for _, p in walk.chain if p is None),
@@ -761,6 +747,26 @@ class PageTable:
         if whole(matched):
             return matched
         return next((k * ps for k in range(len(chain), 0, -1) if whole(k * ps)), 0)
+
+    def _usable_walk(self, tokens: tuple[int, ...]) -> PrefixMatch:
+        """The walk of a whole history as far as a request could start from it: to its
+        last page with a state (a hybrid model), or to where its window is whole (pages
+        only the disk holds taken to have their part: their files are not read here)."""
+        walk = self._index.walk(
+            tokens, len(tokens), self.salt, self.host, host_tail=False, disk=self.disk
+        )
+        cut = self._states_cut
+        if self._window is None and cut is None:
+            return walk
+        if cut is not None:
+            start = cut(walk, {})
+        else:
+            start = self._window_cut(walk, {}, unread_disk_kept=True)
+        if start < len(walk.chain) * self.page_size + walk.tail_len:
+            walk = self._index.walk(
+                tokens, start, self.salt, self.host, host_tail=False, disk=self.disk
+            )
+        return walk
 
     @property
     def _states_cut(self) -> Any:
