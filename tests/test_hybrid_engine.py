@@ -108,3 +108,20 @@ def test_a_type_ahead_is_kept_at_page_ends_and_its_turn_resumes_there(family):
         done = c.wait()
         assert done.cached_tokens.device == 96 and done.draft_tokens == 96
         assert list(done.generated_ids) == theirs(folder, [*draft, 4, 5], 6)
+
+
+def test_a_fork_resumes_from_the_last_state_kept_before_it(family):
+    """Edit-and-resend or a fork cuts a history: its prefix resumes from the last page end
+    at or before the cut whose state is kept (every page end is, until let go)."""
+    folder, model = family
+    history = prompt(9, 70)
+    with small_engine(model) as engine:
+        c = Collector()
+        engine.submit(GenerationRequest(tuple(history), max_tokens=4, ignore_eos=True), c)
+        c.wait()
+        fork = [*history[:53], 1, 2]
+        c = Collector()
+        engine.submit(GenerationRequest(tuple(fork), max_tokens=6, ignore_eos=True), c)
+        done = c.wait()
+        assert done.cached_tokens.device == 48
+        assert list(done.generated_ids) == theirs(folder, fork, 6)

@@ -24,3 +24,16 @@ def test_a_state_goes_with_its_page_and_follows_it():
     assert states.get(7) == "a" and not states.has(1)
     states.drop(7)
     assert len(states) == 1 and not states.has(7)
+
+
+def test_where_a_sequence_ended_is_let_go_after_what_sequences_passed_by():
+    states = StateSnapshots(3, state_bytes=1)
+    states.put(1, "end of a")
+    states.mark_resume(1)
+    for page in range(10, 20):  # a long prompt's page ends
+        states.put(page, f"passed {page}")
+    assert states.has(1) and states.has(19) and len(states) == 3
+    states.mark_resume(18)
+    states.mark_resume(19)  # every state kept is now a resume point
+    states.put(30, "x")  # the state just kept stays; the oldest resume point goes
+    assert not states.has(1) and states.has(30) and states.let_go == 9

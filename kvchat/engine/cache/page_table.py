@@ -356,6 +356,9 @@ class PageTable:
         if self._window is not None:
             for j in range(seq.window_from, seq.window_to):
                 self._window.unref(seq.pages[j])
+        full = seq.num_tokens // self.page_size
+        if self.states is not None and full and not seq.type_ahead:
+            self.states.mark_resume(seq.pages[full - 1])  # where this conversation resumes
         if self.disk is not None and not seq.type_ahead:  # a type-ahead's guesses: not kept
             self._tiers.save_released(self._indexed_chain(seq.pages))
         for p in reversed(seq.pages):

@@ -10,10 +10,12 @@ named by that page, and a later request's match is cut back to the last page wit
 the partial page after it and the new ones.
 
 States are large (a real model's are megabytes a layer), so at most `capacity` are
-kept, the least recently used let go first; a conversation's newest is its most
-recently used, so what is kept is where conversations can resume. A state belongs to
-its page: it goes when the page leaves the device (the host and disk tiers keep no
-states yet) and moves with it.
+kept. Where a sequence ended (`mark_resume`: a finished turn's last full page, where its
+conversation resumes) is let go last: first the states a sequence only passed by, the
+least recently used first, then the resume points, the least recently used first; so a
+long prompt's many page ends do not push out where other conversations stopped. A state
+belongs to its page: it goes when the page leaves the device (the host and disk tiers
+keep no states yet) and moves with it.
 
 Pure bookkeeping: the states are opaque here (the engine's tensors); the page table
 calls this from the step thread.
@@ -32,37 +34,52 @@ class StateSnapshots:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.state_bytes = state_bytes
-        self._kept: OrderedDict[int, Any] = OrderedDict()  # page -> state; oldest use first
+        # page -> state, oldest use first: those passed by, and where sequences ended
+        self._passed: OrderedDict[int, Any] = OrderedDict()
+        self._resume: OrderedDict[int, Any] = OrderedDict()
         self.let_go = 0  # states given up for newer ones
 
     def __len__(self) -> int:
-        return len(self._kept)
+        return len(self._passed) + len(self._resume)
 
     def has(self, page: int) -> bool:
-        return page in self._kept
+        return page in self._passed or page in self._resume
 
     def get(self, page: int) -> Any:
         """The state kept at `page`'s end (it counts as used now)."""
-        self._kept.move_to_end(page)
-        return self._kept[page]
+        kept = self._resume if page in self._resume else self._passed
+        kept.move_to_end(page)
+        return kept[page]
 
     def put(self, page: int, state: Any) -> None:
         """Keep the state at `page`'s end, letting the least recently used go if full."""
-        self._kept[page] = state
-        self._kept.move_to_end(page)
-        while len(self._kept) > self.capacity:
-            self._kept.popitem(last=False)
+        self.drop(page)
+        self._passed[page] = state
+        while len(self) > self.capacity:  # never the state just kept
+            (self._passed if len(self._passed) > 1 else self._resume).popitem(last=False)
             self.let_go += 1
+
+    def mark_resume(self, page: int) -> None:
+        """A sequence ended after `page`: its state is where the conversation resumes."""
+        if page in self._passed:
+            self._resume[page] = self._passed.pop(page)
+        elif page in self._resume:
+            self._resume.move_to_end(page)
 
     def drop(self, page: int) -> None:
         """`page` leaves the device or is emptied: its state goes with it."""
-        self._kept.pop(page, None)
+        self._passed.pop(page, None)
+        self._resume.pop(page, None)
 
     def moved(self, src: int, dst: int) -> None:
         """Defragmentation moved page `src` to `dst`: its state follows, in the same place
         of the order of use."""
-        if src in self._kept:
-            self._kept = OrderedDict((dst if p == src else p, s) for p, s in self._kept.items())
+        for name in ("_passed", "_resume"):
+            kept: OrderedDict[int, Any] = getattr(self, name)
+            if src in kept:
+                setattr(
+                    self, name, OrderedDict((dst if p == src else p, s) for p, s in kept.items())
+                )
 
     def nbytes(self) -> int:
-        return len(self._kept) * self.state_bytes
+        return len(self) * self.state_bytes
