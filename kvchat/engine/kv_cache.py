@@ -75,8 +75,8 @@ def build_kv_cache(
     host_bytes = default_host if config.host_cache_bytes is None else config.host_cache_bytes
     ps, kv_format = config.page_size, config.kv_format
     # a hybrid model's linear layers keep a state per sequence, not K/V (`sequence_states`),
-    # and the table keeps states at page ends (`state_snapshots`), on the device only: it
-    # has no host or disk tier, whose pages could not be resumed from
+    # and the table keeps states at page ends (`state_snapshots`), on the device and the
+    # host tier; it has no disk tier yet, whose pages could not be resumed from
     hybrid = mc.kv_layers != mc.num_layers
     states = None
     if hybrid:
@@ -88,7 +88,7 @@ def build_kv_cache(
     window_slots = 0
     if groups.split:
         num_pages, window_slots = _split_pool(dev_bytes, groups, config, geometry[1:])
-    host_slots = 0 if hybrid else pages_for_bytes(host_bytes, *geometry, kv_format)
+    host_slots = pages_for_bytes(host_bytes, *geometry, kv_format)
     if num_pages < 2:
         raise KvchatError(
             f"The device cache ({dev_bytes} bytes) holds fewer than 2 pages of "

@@ -13,6 +13,7 @@ the callback the table gives it; the table keeps the page records and the index.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import Any, Protocol
 
@@ -79,6 +80,8 @@ class LowerTiers:
         anchored: Callable[[bytes], bool],
         count: Callable[[EvictionKind], None],
         window_of: Callable[[int], bool] | None = None,
+        state_of: Callable[[int], Any] | None = None,
+        states_capacity: int = 0,
     ) -> None:
         self.host = host
         self.disk = disk
@@ -89,11 +92,32 @@ class LowerTiers:
         self._window_of = window_of
         # pages this process wrote to disk without their part: a copy with it replaces them
         self._partless_on_disk: set[bytes] = set()
+        # a hybrid model: the linear layers' state kept at a device page's end (None: none),
+        # and those of host pages, by hash, at most `states_capacity`, oldest use first
+        self._state_of = state_of
+        self._states_capacity = states_capacity
+        self.host_states: OrderedDict[bytes, Any] = OrderedDict()
 
     # ---- lookups -------------------------------------------------------------------------
 
     def on_host(self, h: bytes) -> bool:
         return self.host is not None and h in self.host
+
+    def state_on_host(self, h: bytes) -> Any:
+        """The linear layers' state host page `h` left the device with (None: none)."""
+        state = self.host_states.get(h)
+        if state is not None:
+            self.host_states.move_to_end(h)
+        return state
+
+    def _keep_host_state(self, h: bytes, device_page: int) -> None:
+        state = self._state_of(device_page) if self._state_of is not None else None
+        if state is None:
+            return
+        self.host_states[h] = state
+        self.host_states.move_to_end(h)
+        while len(self.host_states) > self._states_capacity:
+            self.host_states.popitem(last=False)
 
     def window_on_host(self, h: bytes) -> bool:
         """Whether host page `h` holds its windowed layers' part (it left the device with it)."""
@@ -154,6 +178,7 @@ class LowerTiers:
                 gains_part = self._window_of is not None and self._window_of(device_page)
                 if gains_part and not self._mover.window_of_host(entry.slot):
                     self._mover.device_to_host(device_page, entry.slot)  # now with its part
+                self._keep_host_state(h, device_page)
                 self._count("device_to_host")
                 return
             slot = self.host.put(
@@ -167,6 +192,7 @@ class LowerTiers:
             )
             if slot is not None:
                 self._mover.device_to_host(device_page, slot)
+                self._keep_host_state(h, device_page)
                 self._count("device_to_host")
                 return
         if self._keep_on_disk(
@@ -195,6 +221,7 @@ class LowerTiers:
         assert self.host is not None
         entry = self.host.get(h)
         assert entry is not None
+        self.host_states.pop(h, None)  # the disk tier keeps no states yet
         kept = self._keep_on_disk(
             h, entry.parent, entry.tokens, lambda: self._mover.snapshot_host(slot),
             has_part=self._window_of is not None and self._mover.window_of_host(slot),

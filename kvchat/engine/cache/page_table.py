@@ -100,6 +100,8 @@ class PageTable:
             anchored=self._anchored,
             count=self._count_eviction,
             window_of=window.has if window is not None else None,
+            state_of=self._state_of if states is not None else None,
+            states_capacity=states.capacity if states is not None else 0,
         )
 
     @property
@@ -199,6 +201,10 @@ class PageTable:
                 if window is not None:
                     has_part = self._tiers.window_on_host(h)
                     self._restore_window(p, has_part, held=len(pages) >= window_from)
+                if self.states is not None and (len(pages) + 1) * ps == matched:
+                    state = self._tiers.state_on_host(h)  # where it resumes
+                    if state is not None:
+                        self.states.put(p, state)
                 entry = self._tiers.restore_from_host(h, p, clock)
                 self._index_restored(p, h, entry.parent, entry.tokens, clock)
                 self._pages[p].refcount = 1
@@ -457,6 +463,9 @@ class PageTable:
             else:
                 if window is not None and self._tiers.window_on_host(h):
                     self._keep_window_idle(p, let_go=i >= window_from)
+                state = self._tiers.state_on_host(h) if self.states is not None else None
+                if state is not None:
+                    self.states.put(p, state)  # type: ignore[union-attr]
                 entry = self._tiers.restore_from_host(h, p, clock)
                 self._index_restored(p, h, entry.parent, entry.tokens, clock)
             self._cached.add(p)
@@ -781,12 +790,17 @@ class PageTable:
 
         def cut(walk: PrefixMatch, from_disk: dict[bytes, Any]) -> int:
             for k in range(len(walk.chain), 0, -1):
-                p = walk.chain[k - 1][1]
-                if p is not None and states.has(p):
+                h, p = walk.chain[k - 1]
+                if states.has(p) if p is not None else self._tiers.state_on_host(h) is not None:
                     return k * self.page_size
             return 0
 
         return cut
+
+    def _state_of(self, page: int) -> Any:
+        """The state kept at device page `page`'s end, or None (for the lower tiers)."""
+        assert self.states is not None
+        return self.states.get(page) if self.states.has(page) else None
 
     def keep_state(self, page: int, state: Any) -> None:
         """A step ended page `page` of a sequence: keep the linear layers' state there."""
