@@ -150,3 +150,22 @@ def test_a_conversation_resumes_from_the_host_tier_with_its_state(family):
         assert result.cached_tokens.host > 0 and result.cached_tokens.total == 64
         assert list(result.generated_ids) == theirs(folder, follow_up, 6)
         engine.validate_cache()
+
+
+def test_after_a_restart_a_conversation_resumes_from_the_disk_tier_with_its_state(family, tmp_path):
+    folder, model = family
+    disk = dict(disk_cache_bytes=64 << 20, disk_cache_dir=tmp_path / "kv", host_cache_bytes=0)
+    a = prompt(12, 60)
+    with small_engine(model, **disk) as engine:
+        done = Collector()
+        engine.submit(GenerationRequest(tuple(a), max_tokens=5, ignore_eos=True), done)
+        answer = list(done.wait().generated_ids)
+    follow_up = [*a, *answer, 7]  # 64 tokens computed: 4 full pages, a state at the 4th
+    with small_engine(model, **disk) as restarted:
+        assert restarted.residency(follow_up).disk == 64
+        back = Collector()
+        restarted.submit(GenerationRequest(tuple(follow_up), max_tokens=6, ignore_eos=True), back)
+        result = back.wait()
+        assert result.cached_tokens.disk == 64
+        assert list(result.generated_ids) == theirs(folder, follow_up, 6)
+        assert restarted.stats().states_kept > 0

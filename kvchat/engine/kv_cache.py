@@ -28,6 +28,7 @@ from kvchat.engine.tiers.kv_store import (
     DeviceKVStore,
     HostKVStore,
     KVPageMover,
+    StateLayout,
     kv_bytes_per_token,
     pages_for_bytes,
 )
@@ -75,8 +76,8 @@ def build_kv_cache(
     host_bytes = default_host if config.host_cache_bytes is None else config.host_cache_bytes
     ps, kv_format = config.page_size, config.kv_format
     # a hybrid model's linear layers keep a state per sequence, not K/V (`sequence_states`),
-    # and the table keeps states at page ends (`state_snapshots`), on the device and the
-    # host tier; it has no disk tier yet, whose pages could not be resumed from
+    # and the table keeps states at page ends (`state_snapshots`), which go with their
+    # pages to the host and disk tiers
     hybrid = mc.kv_layers != mc.num_layers
     states = None
     if hybrid:
@@ -110,9 +111,10 @@ def build_kv_cache(
     if groups.split:  # its disk pages carry a flag those of a store kept whole lack
         fingerprint += "-windowed-apart"
     salt = root_salt(fingerprint, dtype_name(dtype), kv_format)
-    mover = KVPageMover(store, host_store, window_store, groups, window)
+    state_layout = _state_layout(mc, dtype) if hybrid else None
+    mover = KVPageMover(store, host_store, window_store, groups, window, state_layout)
     disk = None
-    if config.disk_cache_bytes > 0 and not hybrid:
+    if config.disk_cache_bytes > 0:
         from kvchat.paths import app_paths
 
         fmt = DiskPageFormat(
@@ -124,6 +126,7 @@ def build_kv_cache(
             dtype_name(dtype),
             kv_format,
             window_flag=groups.split,
+            state_shapes=state_layout.shapes if state_layout is not None else None,
         )
         root = config.disk_cache_dir or app_paths().kv_cache_dir
         disk = DiskTier(root, fmt, config.disk_cache_bytes, busy=busy)
@@ -169,3 +172,11 @@ def _state_snapshots(mc, dtype, nbytes: int) -> StateSnapshots:
     state_bytes = len(mc.linear_layers) * (conv + recurrent)
     capacity = max(MIN_STATES, int(STATE_SHARE * nbytes) // state_bytes)
     return StateSnapshots(capacity, state_bytes)
+
+
+def _state_layout(mc, dtype) -> StateLayout:
+    """How the disk tier stores a hybrid model's state: stacked over its linear layers."""
+    shape, n = mc.delta_net, len(mc.linear_layers)
+    conv = (n, shape.conv_kernel - 1, shape.conv_dim)
+    recurrent = (n, shape.num_v_heads, shape.head_k_dim, shape.head_v_dim)
+    return StateLayout((conv, recurrent), dtype)

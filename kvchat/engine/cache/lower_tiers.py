@@ -41,6 +41,11 @@ class PageMover(Protocol):
 
     def load_device(self, parts: Any, device_page: int) -> None: ...
 
+    # a hybrid model: the state kept at a page's end as the disk page's last parts
+    def state_parts(self, state: Any) -> Any: ...
+
+    def state_from_parts(self, parts: Any) -> Any: ...
+
     # a model whose windowed layers are kept apart: whether a copy holds their part
     def window_of_host(self, host_slot: int) -> bool: ...
 
@@ -66,6 +71,9 @@ class DiskStore(Protocol):
     def touch(self, h: bytes) -> None: ...
 
     def problems(self) -> list[str]: ...
+
+
+STATE_PART_COUNT = 3  # a hybrid model's disk page ends with its state (`disk_page.STATE_PARTS`)
 
 
 class LowerTiers:
@@ -153,7 +161,14 @@ class LowerTiers:
 
     def restore_from_disk(self, parts: Any, device_page: int) -> None:
         """Copy a page read from disk (`read_disk_only`) into `device_page`."""
-        self._mover.load_device(parts, device_page)
+        kv = parts[:-STATE_PART_COUNT] if self._state_of is not None else parts
+        self._mover.load_device(kv, device_page)
+
+    def state_in_parts(self, parts: Any) -> Any:
+        """The state a page read from disk was kept with (None: none, or no states)."""
+        if self._state_of is None:
+            return None
+        return self._mover.state_from_parts(parts[-STATE_PART_COUNT:])
 
     # ---- keeping pages that leave the device ---------------------------------------------
 
@@ -197,7 +212,7 @@ class LowerTiers:
                 return
         if self._keep_on_disk(
             h, parent, tokens, lambda: self._mover.snapshot_device(device_page),
-            has_part=self._device_part(device_page),
+            has_part=self._device_part(device_page), state=self._device_state(device_page),
         ):  # fmt: skip
             self._count("device_to_disk")
             return
@@ -213,7 +228,7 @@ class LowerTiers:
                 self.disk.touch(h)  # a tree's order of use is its root's
             self._keep_on_disk(
                 h, parent, tokens, lambda p=device_page: self._mover.snapshot_device(p),
-                has_part=self._device_part(device_page),
+                has_part=self._device_part(device_page), state=self._device_state(device_page),
             )  # fmt: skip
 
     def _leaving_host(self, h: bytes, slot: int) -> None:
@@ -221,15 +236,19 @@ class LowerTiers:
         assert self.host is not None
         entry = self.host.get(h)
         assert entry is not None
-        self.host_states.pop(h, None)  # the disk tier keeps no states yet
+        state = self.host_states.pop(h, None)
         kept = self._keep_on_disk(
             h, entry.parent, entry.tokens, lambda: self._mover.snapshot_host(slot),
             has_part=self._window_of is not None and self._mover.window_of_host(slot),
+            state=state,
         )  # fmt: skip
         self._count("host_to_disk" if kept else "host_dropped")
 
     def _device_part(self, device_page: int) -> bool:
         return self._window_of is not None and self._window_of(device_page)
+
+    def _device_state(self, device_page: int) -> Any:
+        return self._state_of(device_page) if self._state_of is not None else None
 
     def _keep_on_disk(
         self,
@@ -239,6 +258,7 @@ class LowerTiers:
         snapshot: Callable[[], Any],
         *,
         has_part: bool,
+        state: Any = None,
     ) -> bool:
         """Page `h` to disk unless it is there already (True: it is on disk now or queued).
         A copy this process wrote without its windowed layers' part is replaced by one
@@ -246,13 +266,21 @@ class LowerTiers:
         copy without, and compute it again at every switch."""
         if self.disk is None:
             return False
+        if self._state_of is not None:  # a hybrid model's page carries its state, if kept
+            kv_snapshot = snapshot
+
+            def snapshot() -> Any:
+                return [*kv_snapshot(), *self._mover.state_parts(state)]
+
+            has_part = state is not None  # a copy without one is replaced by one with it
         if h in self.disk:
             upgrade = has_part and h in self._partless_on_disk
             if upgrade and self.disk.save(h, parent, tokens, snapshot(), replace=True):
                 self._partless_on_disk.discard(h)
             return True
         kept = self.disk.save(h, parent, tokens, snapshot())
-        if kept and self._window_of is not None and not has_part:
+        partless = self._window_of is not None or self._state_of is not None
+        if kept and partless and not has_part:
             self._partless_on_disk.add(h)
         return kept
 

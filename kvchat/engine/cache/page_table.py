@@ -191,6 +191,10 @@ class PageTable:
                 if window is not None:
                     has_part = self._mover.window_of_parts(plan.from_disk[h])
                     self._restore_window(p, has_part, held=len(pages) >= window_from)
+                if self.states is not None and (len(pages) + 1) * ps == matched:
+                    state = self._tiers.state_in_parts(plan.from_disk[h])  # where it resumes
+                    if state is not None:
+                        self.states.put(p, state)
                 self._tiers.restore_from_disk(plan.from_disk[h], p)
                 start = len(pages) * ps
                 self._index_restored(p, h, parent, tokens[start : start + ps], clock)
@@ -458,6 +462,9 @@ class PageTable:
             if h in from_disk:
                 if window is not None and self._mover.window_of_parts(from_disk[h]):
                     self._keep_window_idle(p, let_go=i >= window_from)
+                state = self._tiers.state_in_parts(from_disk[h])
+                if state is not None:
+                    self.states.put(p, state)  # type: ignore[union-attr]
                 self._tiers.restore_from_disk(from_disk[h], p)
                 self._index_restored(p, h, parent, page_tokens, clock)
             else:
@@ -771,7 +778,7 @@ class PageTable:
         if self._window is None and cut is None:
             return walk
         if cut is not None:
-            start = cut(walk, {})
+            start = cut(walk, {}, unread_disk_kept=True)
         else:
             start = self._window_cut(walk, {}, unread_disk_kept=True)
         if start < len(walk.chain) * self.page_size + walk.tail_len:
@@ -788,10 +795,21 @@ class PageTable:
         if states is None:
             return None
 
-        def cut(walk: PrefixMatch, from_disk: dict[bytes, Any]) -> int:
+        def kept(h: bytes, p: int | None, from_disk: dict[bytes, Any], unread: bool) -> bool:
+            if p is not None:
+                return states.has(p)
+            if self._tiers.on_host(h):
+                return self._tiers.state_on_host(h) is not None
+            if h in from_disk:
+                return self._tiers.state_in_parts(from_disk[h]) is not None
+            return unread  # a page only the disk holds, its file not read
+
+        def cut(
+            walk: PrefixMatch, from_disk: dict[bytes, Any], *, unread_disk_kept: bool = False
+        ) -> int:
             for k in range(len(walk.chain), 0, -1):
                 h, p = walk.chain[k - 1]
-                if states.has(p) if p is not None else self._tiers.state_on_host(h) is not None:
+                if kept(h, p, from_disk, unread_disk_kept):
                     return k * self.page_size
             return 0
 

@@ -35,6 +35,7 @@ FILE_MODE = 0o600
 DIR_MODE = 0o700
 
 WINDOW_FLAG = "window_kept"  # 1: the page holds its windowed layers' part
+STATE_PARTS = ("state_conv", "state_recurrent", "state_kept")  # a hybrid model's state
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -56,21 +57,34 @@ class DiskPageFormat:
     # a model whose windowed layers are kept apart: a page may lack their part (zeros in
     # the file), and a one-byte tensor says whether it has it
     window_flag: bool = False
+    # a hybrid model: the linear layers' state kept at the page's end, stacked over those
+    # layers (conv [n, K - 1, channels] in `dtype`, recurrent [n, Hv, Dk, Dv] float32;
+    # zeros and a 0 flag where the page has none)
+    state_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def part_names(self) -> tuple[str, ...]:
         kv = ("k", "v", "k_scale", "v_scale") if self.kv_format == "int8" else ("k", "v")
-        return (*kv, WINDOW_FLAG) if self.window_flag else kv
+        if self.window_flag:
+            kv = (*kv, WINDOW_FLAG)
+        return (*kv, *STATE_PARTS) if self.state_shapes is not None else kv
 
     def part_shape(self, name: str) -> tuple[int, ...]:
-        if name == WINDOW_FLAG:
+        if name in (WINDOW_FLAG, STATE_PARTS[2]):
             return (1,)
+        if name in STATE_PARTS:
+            assert self.state_shapes is not None
+            return self.state_shapes[STATE_PARTS.index(name)]
         shape = (self.num_layers, self.page_size, self.n_kv_heads, self.head_dim)
         return shape[:-1] if name.endswith("_scale") else shape
 
     def part_dtype(self, name: str) -> torch.dtype:
-        if name == WINDOW_FLAG:
+        if name in (WINDOW_FLAG, STATE_PARTS[2]):
             return torch.uint8
+        if name == STATE_PARTS[1]:
+            return torch.float32
+        if name == STATE_PARTS[0]:
+            return _DTYPES[self.dtype]
         if self.kv_format == "int8" and not name.endswith("_scale"):
             return torch.int8
         return _DTYPES[self.dtype]
@@ -88,7 +102,11 @@ class DiskPageFormat:
     @property
     def geometry(self) -> str:
         shape = f"{self.num_layers},{self.page_size},{self.n_kv_heads},{self.head_dim}"
-        return f"{shape},window-flag" if self.window_flag else shape
+        if self.window_flag:
+            shape += ",window-flag"
+        if self.state_shapes is not None:
+            shape += ",states-" + "-".join("x".join(map(str, s)) for s in self.state_shapes)
+        return shape
 
 
 def page_path(root: Path, salt: bytes, parent: bytes, h: bytes) -> Path:

@@ -19,6 +19,8 @@ behave alike and the tests exercise the same copies.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +28,7 @@ from kvchat.engine.cache.window_slots import WindowSlots
 from kvchat.engine.layer_groups import LayerGroups
 from kvchat.engine.tiers.copy_stream import CopyStream
 from kvchat.model import huge_pages
+from kvchat.model.gated_deltanet import DeltaNetState
 
 KV_FORMATS = ("native", "int8")
 
@@ -202,6 +205,15 @@ class HostKVStore:
         return sum(t.numel() * t.element_size() for t in self.parts)
 
 
+@dataclass(frozen=True)
+class StateLayout:
+    """A hybrid model's linear-layer state as the disk tier stores it: the stacked conv
+    and recurrent shapes, and the conv's dtype (the recurrent one is float32)."""
+
+    shapes: tuple[tuple[int, ...], tuple[int, ...]]
+    dtype: torch.dtype
+
+
 class KVPageMover:
     """The page table's `PageMover` over real tensors: one copy per tensor per operation.
 
@@ -219,7 +231,9 @@ class KVPageMover:
         window_store: DeviceKVStore | None = None,
         groups: LayerGroups | None = None,
         window_slots: WindowSlots | None = None,
+        states: StateLayout | None = None,
     ) -> None:
+        self.states = states  # a hybrid model's: how a kept state becomes disk parts
         self.device_store = device_store
         self.host_store = host_store
         self.window_store = window_store
@@ -384,6 +398,35 @@ class KVPageMover:
         if src is not None and dst is not None:
             for w in self._window_parts():
                 w[:, dst] = w[:, src]
+
+    def state_parts(self, state: Sequence[DeltaNetState] | None) -> list[torch.Tensor]:
+        """A hybrid model's state kept at a page's end as the disk page's parts (CPU
+        tensors, stacked over the linear layers; zeros and a 0 flag for none)."""
+        layout = self.states
+        assert layout is not None, "this model keeps no states"
+        conv_shape, recurrent_shape = layout.shapes
+        if state is None:
+            return [
+                torch.zeros(conv_shape, dtype=layout.dtype),
+                torch.zeros(recurrent_shape, dtype=torch.float32),
+                torch.zeros(1, dtype=torch.uint8),
+            ]
+        return [
+            torch.stack([s.conv for s in state]).cpu(),
+            torch.stack([s.recurrent for s in state]).float().cpu(),
+            torch.ones(1, dtype=torch.uint8),
+        ]
+
+    def state_from_parts(self, parts: list[torch.Tensor]) -> tuple[DeltaNetState, ...] | None:
+        """The state a disk page's last parts hold (`state_parts`), on the device; None."""
+        conv, recurrent, kept = parts
+        if not bool(kept[0]):
+            return None
+        device = self.device_store.device
+        return tuple(
+            DeltaNetState(c.to(device), r.to(device))
+            for c, r in zip(conv.unbind(0), recurrent.unbind(0), strict=True)
+        )
 
     def synchronize(self) -> None:
         """Wait for pending asynchronous copies (before the CPU reads host bytes)."""
