@@ -24,9 +24,12 @@ def converter() -> Path:
     return llama_cpp_tools.converter(TEST_CACHE)
 
 
-def convert(hf_folder: Path, out: Path, outtype: str = "f32") -> Path:
-    """`hf_folder` as a GGUF of `outtype` (f32, bf16, q8_0), as llama.cpp converts it."""
-    return llama_cpp_tools.convert(hf_folder, out, outtype, TEST_CACHE)
+def convert(
+    hf_folder: Path, out: Path, outtype: str = "f32", options: tuple[str, ...] = ()
+) -> Path:
+    """`hf_folder` as a GGUF of `outtype` (f32, bf16, q8_0), as llama.cpp converts it;
+    `options`: more of the converter's flags (`--no-mtp`)."""
+    return llama_cpp_tools.convert(hf_folder, out, outtype, TEST_CACHE, options)
 
 
 def requantize(

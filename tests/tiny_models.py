@@ -224,6 +224,7 @@ def write_tiny_model(
         # and a shared one there, 2 of 8 and a shared one here), a dense layer first
         overrides_of(tuple(QWEN35_LAYERS), shapes)
         layers = {**QWEN35_LAYERS, **overrides_of(tuple(QWEN35_LAYERS), dict(overrides))}
+        dense = shapes.pop("mlp_only_layers", [0])  # none in llama.cpp's files
         config = Qwen3NextConfig(
             **{"head_dim": 32, **shapes},
             **layers,
@@ -232,7 +233,7 @@ def write_tiny_model(
             moe_intermediate_size=32,
             shared_expert_intermediate_size=48,
             norm_topk_prob=True,
-            mlp_only_layers=[0],
+            mlp_only_layers=dense,
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 10_000_000.0,

@@ -93,8 +93,11 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def convert(hf_folder: Path, out: Path, outtype: str, cache: Path) -> Path:
-    """`hf_folder` as a GGUF of `outtype` (f32, bf16, q8_0), as llama.cpp converts it.
+def convert(
+    hf_folder: Path, out: Path, outtype: str, cache: Path, options: tuple[str, ...] = ()
+) -> Path:
+    """`hf_folder` as a GGUF of `outtype` (f32, bf16, q8_0), as llama.cpp converts it
+    (`options`: more of the converter's flags, e.g. `--no-mtp`).
 
     The folders converted here carry the default model's tokenizer (SmolLM2's byte-level
     BPE) under the class it was saved with, and the converter names the pre-tokenizer by a
@@ -109,7 +112,7 @@ def convert(hf_folder: Path, out: Path, outtype: str, cache: Path) -> Path:
     env = {**os.environ, "PYTHONPATH": f"{folder / 'gguf-py'}{os.pathsep}{folder}"}
     done = subprocess.run(
         [sys.executable, "-c", _CONVERT, str(folder / "convert_hf_to_gguf.py"), str(hf_folder),
-         "--outfile", str(out), "--outtype", outtype],
+         "--outfile", str(out), "--outtype", outtype, *options],
         capture_output=True, text=True, timeout=3600, env=env,
     )  # fmt: skip
     if done.returncode != 0:

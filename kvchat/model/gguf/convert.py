@@ -35,8 +35,11 @@ from kvchat.model.gguf.dequant import dequantize
 from kvchat.model.gguf.file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = (
-    "gemma3", "gpt-oss", "llama", "mistral3", "phi3", "qwen2", "qwen3", "qwen3moe", "smollm3"
+    "gemma3", "gpt-oss", "llama", "mistral3", "phi3", "qwen2", "qwen3", "qwen35", "qwen3moe",
+    "qwen3next", "smollm3",
 )  # fmt: skip
+# Qwen3.5 (text) and Qwen3-Next: Gated DeltaNet layers beside gated full attention
+HYBRID_ARCHITECTURES = ("qwen35", "qwen3next")
 # the architectures whose q/k rows llama.cpp's converter permutes (`llama_cpp_permute`)
 PERMUTED_ARCHITECTURES = ("llama", "mistral3", "smollm3")
 # llama.cpp runs SmolLM3 with rotary left out of every fourth layer; the file does not say
@@ -56,6 +59,8 @@ _HF_ARCH = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "mistral3": ("ministral3", "Ministral3ForCausalLM"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
+    "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+    "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
 }
 
 # GGUF tensor name -> Hugging Face name; {i} is the layer index.
@@ -114,6 +119,28 @@ _ARCH_LAYER_NAMES = {
         },
     },
 }
+# Qwen3.5 and Qwen3-Next: the linear-attention layers' tensors (llama.cpp's `ssm_*`; the
+# converter's `attn_qkv` / `attn_gate` are the Gated DeltaNet's q/k/v and z projections),
+# the norm after attention, Qwen3-Next's shared expert and its gate
+_HYBRID_LAYER_NAMES = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    **{
+        f"ffn_{p}_shexp.weight": f"mlp.shared_expert.{p}_proj.weight"
+        for p in ("gate", "up", "down")
+    },
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+_ARCH_LAYER_NAMES["qwen35"] = _ARCH_LAYER_NAMES["qwen3next"] = _HYBRID_LAYER_NAMES
 # llama.cpp's gpt-oss: every other layer windowed, from the first (the file does not say)
 GPT_OSS_SLIDING_PATTERN = 2
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -124,11 +151,18 @@ _CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factor
 def check_architecture(metadata: dict[str, object]) -> str:
     """`general.architecture` if kvchat runs it, else a `ModelLoadError`."""
     arch = metadata.get("general.architecture")
+    if arch == "qwen35moe":
+        raise ModelLoadError(
+            "this GGUF is Qwen3.5's mixture-of-experts model (llama.cpp's qwen35moe), which "
+            "kvchat does not read from GGUF yet; use its Hugging Face folder, or a GGUF of the "
+            "dense Qwen3.5 (qwen35) or of Qwen3-Next (qwen3next)."
+        )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported architecture {arch}; kvchat runs GGUFs of the gemma3 (text), llama "
             "(Llama, Mistral, SmolLM2), mistral3 (Ministral 3), phi3 (Phi-3, Phi-4-mini), "
-            "qwen2, qwen3, qwen3moe and smollm3 architectures. Choose a GGUF of one of those."
+            "qwen2, qwen3, qwen35 (Qwen3.5, text), qwen3moe, qwen3next (Qwen3-Next) and smollm3 "
+            "architectures. Choose a GGUF of one of those."
         )
     return str(arch)
 
@@ -181,7 +215,7 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, object]:
         "architectures": [hf_class],
         "hidden_size": hidden,
         "intermediate_size": int(_required(md, f"{arch}.feed_forward_length")),  # type: ignore[arg-type]
-        "num_hidden_layers": int(_required(md, f"{arch}.block_count")),  # type: ignore[arg-type]
+        "num_hidden_layers": decoder_layers(md, arch),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads,
         "head_dim": head_dim,
@@ -201,8 +235,14 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, object]:
         config.update(_gemma3(md, arch, config))
     if arch == "gpt-oss":
         config.update(_gpt_oss(md, arch, config))
+    if arch in HYBRID_ARCHITECTURES:
+        config.update(_hybrid(gguf, arch, config))
     rope_dims = md.get(f"{arch}.rope.dimension_count")
-    if arch == "phi3" and rope_dims is not None and int(rope_dims) != head_dim:  # type: ignore[call-overload]
+    if (
+        arch in ("phi3", *HYBRID_ARCHITECTURES)
+        and rope_dims is not None
+        and int(rope_dims) != head_dim
+    ):  # type: ignore[call-overload]
         config["partial_rotary_factor"] = int(rope_dims) / head_dim  # type: ignore[call-overload]
     for gguf_key, hf_key in (
         ("tokenizer.ggml.bos_token_id", "bos_token_id"),
@@ -226,6 +266,51 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, object]:
             "llama_4_scaling_beta": _f32(beta),
         }
     return config
+
+
+def decoder_layers(md: dict[str, object], arch: str) -> int:
+    """The decoder layers of the file: its `block_count` less the multi-token-prediction
+    (nextn) blocks llama.cpp's converter appends to Qwen3.5's and Qwen3-Next's, which
+    kvchat does not run (their tensors are skipped)."""
+    blocks = int(_required(md, f"{arch}.block_count"))  # type: ignore[call-overload]
+    return blocks - int(md.get(f"{arch}.nextn_predict_layers") or 0)  # type: ignore[call-overload]
+
+
+def _hybrid(gguf: GGUFFile, arch: str, config: dict[str, object]) -> dict[str, object]:
+    """Qwen3.5's and Qwen3-Next's fields: each layer's kind from the file's
+    `attention.recurrent_layers` (else every `full_attention_interval`-th layer attends),
+    the Gated DeltaNet's sizes from the `ssm.*` keys as the converter writes them (state
+    size: key head size; group count: key heads; time-step rank: value heads; inner
+    size: all value heads' width), Qwen3-Next's experts (every layer sparse: llama.cpp's
+    converter refuses dense ones)."""
+    md = gguf.metadata
+    layers = int(config["num_hidden_layers"])  # type: ignore[call-overload]
+    recurrent = md.get(f"{arch}.attention.recurrent_layers")
+    if isinstance(recurrent, list):
+        if len(recurrent) < layers:
+            raise ModelLoadError(
+                f"the GGUF's attention.recurrent_layers has {len(recurrent)} entries for "
+                f"{layers} layers; the file is corrupt."
+            )
+        linear = [bool(r) for r in recurrent[:layers]]
+    else:
+        interval = int(md.get(f"{arch}.full_attention_interval") or 4)  # type: ignore[call-overload]
+        linear = [(i + 1) % interval != 0 for i in range(layers)]
+    v_heads = int(_required(md, f"{arch}.ssm.time_step_rank"))  # type: ignore[call-overload]
+    fields: dict[str, object] = {
+        "layer_types": ["linear_attention" if r else "full_attention" for r in linear],
+        "linear_conv_kernel_dim": int(_required(md, f"{arch}.ssm.conv_kernel")),  # type: ignore[call-overload]
+        "linear_key_head_dim": int(_required(md, f"{arch}.ssm.state_size")),  # type: ignore[call-overload]
+        "linear_num_key_heads": int(_required(md, f"{arch}.ssm.group_count")),  # type: ignore[call-overload]
+        "linear_num_value_heads": v_heads,
+        "linear_value_head_dim": int(_required(md, f"{arch}.ssm.inner_size")) // v_heads,  # type: ignore[call-overload]
+    }
+    if arch == "qwen3next":
+        fields.update(_experts(gguf, arch, layers))
+        fields["shared_expert_intermediate_size"] = int(
+            md.get(f"{arch}.expert_shared_feed_forward_length") or 0  # type: ignore[call-overload]
+        )
+    return fields
 
 
 def _gemma3(md: dict[str, object], arch: str, config: dict[str, object]) -> dict[str, object]:
@@ -424,7 +509,7 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
     raise ModelLoadError(
         f"the GGUF holds a tensor {gguf_name!r} that kvchat's Llama-family model has no place "
-        "for; the file is not a plain llama, phi3, qwen2, qwen3, qwen3moe or smollm3 model."
+        f"for; the file is not a plain {arch} model."
     )
 
 
@@ -457,13 +542,21 @@ def gguf_state_dict(gguf: GGUFFile, dtype: torch.dtype) -> Iterator[tuple[str, t
     arch = check_architecture(md)
     n_heads = int(_required(md, f"{arch}.attention.head_count"))  # type: ignore[arg-type]
     n_kv_heads = int(md.get(f"{arch}.attention.head_count_kv", n_heads))  # type: ignore[arg-type]
+    layers = decoder_layers(md, arch)
+    hybrid = _HybridTensors(gguf_to_hf_config(gguf)) if arch in HYBRID_ARCHITECTURES else None
     for name, info in gguf.tensors.items():
+        match = _LAYER_RE.match(name)
+        if match and int(match.group(1)) >= layers:
+            continue  # a multi-token-prediction (nextn) block: kvchat does not run it
         hf_name = hf_tensor_name(name, arch)
         if hf_name is None:
             continue
         weight = dequantize(gguf.raw(name), info.ggml_type, info.shape)  # float32, torch order
         if arch == "gemma3" and hf_name.endswith("norm.weight"):
             weight = weight - 1.0  # the converter's 1 + w, back to Gemma's w
+        if hybrid is not None and "{}" not in hf_name:
+            yield from hybrid.restore(hf_name, weight.float(), dtype)
+            continue
         if arch in PERMUTED_ARCHITECTURES:
             if ".attn_q." in name:
                 weight = undo_llama_cpp_permute(weight, n_heads)
@@ -474,3 +567,80 @@ def gguf_state_dict(gguf: GGUFFile, dtype: torch.dtype) -> Iterator[tuple[str, t
                 yield hf_name.format(expert), part.to(dtype, copy=True)  # not views of one
             continue
         yield hf_name, weight.to(dtype)
+
+
+class _HybridTensors:
+    """Qwen3.5's and Qwen3-Next's tensors back as their Hugging Face checkpoints hold them,
+    undoing each change llama.cpp's converter (`Qwen3NextModel`,
+    `_LinearAttentionVReorderBase` in its conversion/qwen.py) makes:
+
+    - every decoder norm but the DeltaNet's own holds 1 + w (Gemma's way): w again;
+    - `ssm_a` is -exp(A_log): A_log again; `ssm_conv1d` lost its middle dimension of 1;
+    - Qwen3.5's value heads (with their z, b, a, A, dt_bias, convolution channels and
+      out_proj columns) are reordered from grouped by key head ([K0: v0 v1 | K1: v0 v1])
+      to tiled ([v0: K0 K1 | v1: K0 K1]) where there are more value heads than key heads:
+      grouped again;
+    - Qwen3-Next's fused `in_proj_qkvz` (per key head: q, k, its values' v, their z) is
+      split into q/k/v of all heads (`attn_qkv`) and z (`attn_gate`): fused again, so the
+      pair is held until both have been read. `in_proj_ba` is the file's `ssm_ba` as is.
+    """
+
+    def __init__(self, config: dict[str, object]):
+        self.k_heads = int(config["linear_num_key_heads"])  # type: ignore[call-overload]
+        self.v_heads = int(config["linear_num_value_heads"])  # type: ignore[call-overload]
+        self.k_dim = int(config["linear_key_head_dim"])  # type: ignore[call-overload]
+        self.v_dim = int(config["linear_value_head_dim"])  # type: ignore[call-overload]
+        self.reordered = config["model_type"] == "qwen3_5_text" and self.k_heads != self.v_heads
+        self.fused = config["model_type"] == "qwen3_next"
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def grouped(self, w: torch.Tensor, dim: int, head_dim: int) -> torch.Tensor:
+        """The inverse of the converter's `_reorder_v_heads` along `dim`."""
+        if not self.reordered:
+            return w
+        per_k = self.v_heads // self.k_heads
+        shape = list(w.shape)
+        tiled = [*shape[:dim], per_k, self.k_heads, head_dim, *shape[dim + 1 :]]
+        return w.reshape(tiled).transpose(dim, dim + 1).reshape(shape)
+
+    def restore(
+        self, hf_name: str, w: torch.Tensor, dtype: torch.dtype
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        local = hf_name.rpartition(".linear_attn.")[2]
+        qk = 2 * self.k_heads * self.k_dim
+        if hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+            w = w - 1.0
+        elif local == "A_log":
+            w = torch.log(-self.grouped(w[:, None], 0, 1)[:, 0])
+        elif local == "dt_bias":
+            w = self.grouped(w[:, None], 0, 1)[:, 0]
+        elif local in ("in_proj_a.weight", "in_proj_b.weight"):
+            w = self.grouped(w, 0, 1)
+        elif local == "in_proj_z.weight":
+            w = self.grouped(w, 0, self.v_dim)
+        elif local == "out_proj.weight":
+            w = self.grouped(w, 1, self.v_dim)
+        elif local == "conv1d.weight":  # [channels, K]: q, k, then v channels
+            w = torch.cat([w[:qk], self.grouped(w[qk:], 0, self.v_dim)])[:, None, :]
+        elif local == "in_proj_qkv.weight":
+            w = torch.cat([w[:qk], self.grouped(w[qk:], 0, self.v_dim)])
+        if self.fused and local in ("in_proj_qkv.weight", "in_proj_z.weight"):
+            prefix = hf_name.rpartition(".in_proj_")[0]
+            held = self.pending.setdefault(prefix, {})
+            held[local] = w
+            if len(held) < 2:
+                return
+            del self.pending[prefix]
+            yield f"{prefix}.in_proj_qkvz.weight", self.qkvz(held).to(dtype)
+            return
+        yield hf_name, w.to(dtype)
+
+    def qkvz(self, held: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Qwen3-Next's `in_proj_qkvz` from the file's q/k/v and z: per key head, its q,
+        k, then the v and z of the value heads it serves."""
+        qkv, z = held["in_proj_qkv.weight"], held["in_proj_z.weight"]
+        hidden = qkv.shape[-1]
+        kd = self.k_heads * self.k_dim
+        q, k, v = qkv.split([kd, kd, qkv.shape[0] - 2 * kd])
+        groups = [t.reshape(self.k_heads, -1, hidden) for t in (q, k, v, z)]
+        return torch.cat(groups, dim=1).reshape(-1, hidden)
