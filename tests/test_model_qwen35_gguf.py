@@ -1,0 +1,189 @@
+"""GGUFs of the hybrid families, Qwen3.5 (text; llama.cpp's `qwen35`) and Qwen3-Next
+(`qwen3next`), made by llama.cpp's own converter from random-weight Hugging Face folders:
+kvchat reads every tensor back to the folder's and the file to the folder's logits.
+
+The converter exports multi-token-prediction (nextn) blocks unless told `--no-mtp`, and
+asserts a Qwen3-Next or Qwen3.5 folder without them has some: these folders (as
+transformers writes them, no `mtp.*` weights) convert with `--no-mtp`; one Qwen3.5 folder
+is given an MTP block, converted with it, and kvchat skips it. The tiny models have more
+value heads than key heads (4 to 2), so the converter's reordering of Qwen3.5's value
+heads is undone for real; Qwen3-Next's has no dense layer, which llama.cpp's converter
+would not take.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvchat.model.config import ModelConfig
+from kvchat.model.loader import load_model
+from tests.llama_cpp_convert import ConverterUnavailable, convert
+from tests.parity_helpers import kvchat_logits, rel_err
+
+pytestmark = pytest.mark.real_model
+
+NO_MTP = ("--no-mtp",)
+FOLDER_OPTIONS = {"qwen3_next": {"mlp_only_layers": []}}
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer(default_gguf_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_gguf_path.parent, gguf_file=default_gguf_path.name)
+
+
+def tiny_folder(folder, family: str, tokenizer, **options):
+    from tests.tiny_models import write_tiny_model
+
+    write_tiny_model(
+        folder,
+        family,
+        vocab_size=len(tokenizer),
+        with_tokenizer=False,
+        **{**FOLDER_OPTIONS.get(family, {}), **options},
+    )
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def converted(folder, out, options=NO_MTP):
+    try:
+        return convert(folder, out, "f32", options)
+    except ConverterUnavailable as exc:
+        pytest.skip(f"llama.cpp's converter could not be fetched: {exc}")
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next"])
+def hybrid_gguf(request, tmp_path_factory, default_tokenizer):
+    """(family, the Hugging Face folder, llama.cpp's f32 GGUF of it)."""
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    folder = tiny_folder(root / "hf", family, default_tokenizer)
+    return family, folder, converted(folder, root / f"{family}-f32.gguf")
+
+
+def test_the_files_tensors_and_config_are_the_folders(hybrid_gguf) -> None:
+    """Every tensor back as the checkpoint holds it (norms without the converter's 1 + w,
+    A_log from -exp(A_log), the convolution's kernel 3-d again, Qwen3.5's value heads in
+    their grouped order, Qwen3-Next's in_proj_qkvz fused again), and the config's layer
+    kinds, DeltaNet shape, experts and rotary as the folder's."""
+    from safetensors.torch import load_file
+
+    from kvchat.model.gguf.convert import gguf_state_dict, gguf_to_hf_config
+    from kvchat.model.gguf.file import GGUFFile
+
+    family, folder, gguf = hybrid_gguf
+    file = GGUFFile.open(gguf)
+    ours = dict(gguf_state_dict(file, torch.float32))
+    theirs = load_file(folder / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert ours[name].shape == tensor.shape, name
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-6, atol=1e-6, msg=name)
+    config = ModelConfig.from_dict(gguf_to_hf_config(file))
+    hf = ModelConfig.from_file(folder / "config.json")
+    assert config.model_type == hf.model_type == family
+    assert (config.layer_kinds, config.delta_net) == (hf.layer_kinds, hf.delta_net)
+    assert (config.rotary_dim, config.rope_theta, config.head_dim) == (
+        hf.rotary_dim,
+        hf.rope_theta,
+        hf.head_dim,
+    )
+    assert (config.num_experts, config.num_experts_per_tok, config.shared_expert_size) == (
+        hf.num_experts,
+        hf.num_experts_per_tok,
+        hf.shared_expert_size,
+    )
+
+
+def hf_logits(folder, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids[None]).logits[0].float()
+
+
+def test_a_gguf_from_llama_cpps_converter_gives_the_folders_logits(hybrid_gguf) -> None:
+    """float32 logits of the file, a prefill chunk then decode steps (the DeltaNet state
+    carried between them), as kvchat computes them from the folder and as transformers
+    does; the file's vocabulary and template render a chat as the folder's."""
+    family, folder, gguf = hybrid_gguf
+    model = load_model(str(gguf), dtype="float32", device="cpu")
+    folder_model = load_model(str(folder), dtype="float32", device="cpu")
+    assert model.config.model_type == family
+    ids = torch.randint(
+        0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(1)
+    )
+    ours = kvchat_logits(model, ids.tolist(), paged=True)
+    assert rel_err(ours, kvchat_logits(folder_model, ids.tolist(), paged=True)) < 1e-4
+    assert rel_err(ours, hf_logits(folder, ids)) < 1e-4
+    chat = [{"role": "user", "content": "What is a KV cache?"}]
+    assert model.renderer.prompt_ids(chat) == folder_model.renderer.prompt_ids(chat)
+
+
+def with_an_mtp_block(folder) -> None:
+    """Give a tiny Qwen3.5 folder a multi-token-prediction block as Qwen3.5's checkpoints
+    hold it (`mtp.*`: a full-attention decoder layer, the fc joining embedding and hidden
+    state, their norms), random, and say so in its config (`mtp_num_hidden_layers`)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    hidden = weights["model.norm.weight"].shape[0]
+    generator = torch.Generator().manual_seed(5)
+    mtp = {
+        "mtp.fc.weight": torch.randn(hidden, 2 * hidden, generator=generator) * 0.02,
+        "mtp.pre_fc_norm_embedding.weight": torch.rand(hidden, generator=generator),
+        "mtp.pre_fc_norm_hidden.weight": torch.rand(hidden, generator=generator),
+        "mtp.norm.weight": torch.rand(hidden, generator=generator),
+    }
+    for name, tensor in weights.items():  # the last (full-attention) layer's shapes
+        if name.startswith("model.layers.3."):
+            mtp[name.replace("model.layers.3.", "mtp.layers.0.")] = torch.randn(
+                tensor.shape, generator=generator
+            )
+    save_file({**weights, **mtp}, folder / "model.safetensors", metadata={"format": "pt"})
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+
+
+def test_a_qwen35_gguf_with_its_mtp_block_runs_without_it(tmp_path, default_tokenizer) -> None:
+    """The converter's default: the MTP block as a fifth block (`blk.4.*`, its `nextn.*`
+    tensors) and `nextn_predict_layers`; kvchat runs the four decoder layers, to the
+    logits transformers computes from the folder (which leaves `mtp.*` unread too)."""
+    from kvchat.model.gguf.file import GGUFFile
+
+    folder = tiny_folder(tmp_path / "hf", "qwen3_5_text", default_tokenizer)
+    with_an_mtp_block(folder)
+    gguf = converted(folder, tmp_path / "with-mtp.gguf", options=())
+    file = GGUFFile.open(gguf)
+    assert file.metadata["qwen35.nextn_predict_layers"] == 1
+    assert file.metadata["qwen35.block_count"] == 5
+    assert "blk.4.nextn.eh_proj.weight" in file.tensors
+    model = load_model(str(gguf), dtype="float32", device="cpu")
+    assert model.config.num_layers == 4
+    ids = torch.randint(3, 1000, (32,), generator=torch.Generator().manual_seed(2))
+    error = rel_err(kvchat_logits(model, ids.tolist(), paged=True), hf_logits(folder, ids))
+    assert error < 1e-4, error
+
+
+def test_qwen35moe_files_are_refused_with_a_reason() -> None:
+    from kvchat.errors import ModelLoadError
+    from kvchat.model.gguf.convert import check_architecture
+
+    with pytest.raises(ModelLoadError, match="qwen35moe"):
+        check_architecture({"general.architecture": "qwen35moe"})
+
+
+def test_llama_server_writes_the_same_greedy_tokens_from_the_same_file(hybrid_gguf) -> None:
+    """llama.cpp's own engine on the converter's file: its greedy continuation of a
+    prompt of ids is kvchat's."""
+    from tests.test_model_families_gguf import assert_llama_server_writes_kvchats_tokens
+
+    family, _, gguf = hybrid_gguf
+    assert_llama_server_writes_kvchats_tokens(gguf, family)
