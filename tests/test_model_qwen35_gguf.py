@@ -126,6 +126,57 @@ def test_a_gguf_from_llama_cpps_converter_gives_the_folders_logits(hybrid_gguf) 
     assert model.renderer.prompt_ids(chat) == folder_model.renderer.prompt_ids(chat)
 
 
+def transformers_on_the_files_weights(folder, gguf, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' logits from the folder's model with the file's weights, dequantized
+    as kvchat reads them (Qwen3-Next's experts stacked as transformers holds them:
+    [experts, gate | up, hidden] and [experts, hidden, intermediate])."""
+    from transformers import AutoModelForCausalLM
+
+    from kvchat.model.gguf.convert import gguf_state_dict
+    from kvchat.model.gguf.file import GGUFFile
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    weights = dict(gguf_state_dict(GGUFFile.open(gguf), torch.float32))
+    for name in [n for n in weights if n.endswith("experts.0.gate_proj.weight")]:
+        prefix = name.removesuffix("0.gate_proj.weight")
+        count = sum(1 for n in weights if n.startswith(prefix) and n.endswith(".gate_proj.weight"))
+        gate, up, down = (
+            [weights.pop(f"{prefix}{e}.{p}_proj.weight") for e in range(count)]
+            for p in ("gate", "up", "down")
+        )
+        weights[prefix + "gate_up_proj"] = torch.stack(
+            [torch.cat(pair) for pair in zip(gate, up, strict=True)]
+        )
+        weights[prefix + "down_proj"] = torch.stack(down)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    with torch.no_grad():
+        return model(ids[None]).logits[0].float()
+
+
+def test_a_q8_0_gguf_gives_transformers_logits_on_its_weights(hybrid_gguf) -> None:
+    """The converter's Q8_0 file (its matrices 8-bit, the convolution, norms, A and
+    dt_bias kept f32): kvchat's logits, the 8-bit matrices through its 8-bit kernels, are
+    transformers' on the same rounded weights. (Against the f32 file they move by 0.09,
+    and by 0.5 for Qwen3-Next, whose rounding flips some experts' choice: random tiny
+    layers amplify it.)"""
+    family, folder, f32 = hybrid_gguf
+    try:
+        q8 = convert(folder, f32.with_name(f"{family}-q8_0.gguf"), "q8_0", NO_MTP)
+    except ConverterUnavailable as exc:
+        pytest.skip(f"llama.cpp's converter could not be fetched: {exc}")
+    model = load_model(str(q8), dtype="float32", device="cpu")
+    assert "Q8" in type(model.transformer.layers[1].qkv).__name__
+    ids = torch.randint(
+        0, model.config.vocab_size, (48,), generator=torch.Generator().manual_seed(4)
+    )
+    error = rel_err(
+        kvchat_logits(model, ids.tolist(), paged=True),
+        transformers_on_the_files_weights(folder, q8, ids),
+    )
+    assert error < 1e-4, error
+
+
 def with_an_mtp_block(folder) -> None:
     """Give a tiny Qwen3.5 folder a multi-token-prediction block as Qwen3.5's checkpoints
     hold it (`mtp.*`: a full-attention decoder layer, the fc joining embedding and hidden
