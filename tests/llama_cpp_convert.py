@@ -56,7 +56,11 @@ def requantize(
         writer.add_key_value(name, field.contents(), vtype, sub_type=sub)
     for tensor in reader.tensors:
         data = np.asarray(tensor.data)
-        layer_matrix = tensor.name.startswith("blk.") and data.dtype == np.float32
+        # as llama-quantize, rows of a length no block divides stay as they are (a Gated
+        # DeltaNet's 4-wide convolution kernel)
+        layer_matrix = (
+            tensor.name.startswith("blk.") and data.dtype == np.float32 and data.shape[-1] % 32 == 0
+        )
         if kind is not None and layer_matrix and data.ndim == 2:
             writer.add_tensor(tensor.name, gguf.quants.quantize(data, kind), raw_dtype=kind)
         elif expert_kind is not None and layer_matrix and tensor.name.endswith("_exps.weight"):

@@ -20,7 +20,7 @@ import torch
 
 from kvchat.model.config import ModelConfig
 from kvchat.model.loader import load_model
-from tests.llama_cpp_convert import ConverterUnavailable, convert
+from tests.llama_cpp_convert import ConverterUnavailable, convert, requantize
 from tests.parity_helpers import kvchat_logits, rel_err
 
 pytestmark = pytest.mark.real_model
@@ -173,6 +173,29 @@ def test_a_q8_0_gguf_gives_transformers_logits_on_its_weights(hybrid_gguf) -> No
     error = rel_err(
         kvchat_logits(model, ids.tolist(), paged=True),
         transformers_on_the_files_weights(folder, q8, ids),
+    )
+    assert error < 1e-4, error
+
+
+def test_a_4_bit_gguf_keeps_its_layers_4_bit_and_gives_the_dequantized_logits(
+    hybrid_gguf, tmp_path
+) -> None:
+    """The f32 file's matrices in Q4_0 (as llama-quantize makes them; the convolution
+    kernels stay f32): the full-attention layers' q/k/v, o and Qwen3.5's gate/up multiply
+    through kvchat's 4-bit kernels, the rest is dequantized, and the logits are those of
+    the same file's weights all dequantized."""
+    family, _, f32 = hybrid_gguf
+    q4 = requantize(f32, tmp_path / f"{family}-q4_0.gguf")
+    native = load_model(str(q4), dtype="float32", device="cpu", weights="native")
+    dense = load_model(str(q4), dtype="float32", device="cpu", weights="bf16")
+    assert "Q4" in type(native.transformer.layers[1].qkv).__name__
+    assert "Q4" not in type(dense.transformer.layers[1].qkv).__name__
+    ids = torch.randint(
+        0, native.config.vocab_size, (48,), generator=torch.Generator().manual_seed(4)
+    )
+    error = rel_err(
+        kvchat_logits(native, ids.tolist(), paged=True),
+        kvchat_logits(dense, ids.tolist(), paged=True),
     )
     assert error < 1e-4, error
 
