@@ -19,6 +19,11 @@ derives from, does not apply it); Qwen3's per-head q/k norms are `attn_q_norm` /
 Gemma by 1 + w): subtracted here. Its files say the window and both rotary bases but not
 which layers are windowed, nor the query scale: llama.cpp fixes both (five windowed layers
 to one global; head_dim, or hidden / heads for the 62-layer 27B), and so does this module.
+
+The hybrids, `qwen35` (Qwen3.5, text) and `qwen3next` (Qwen3-Next), take the most undoing:
+norms with 1 added, A as -exp(A_log), Qwen3.5's value heads reordered and Qwen3-Next's
+q/k/v/z projection split (`_HybridTensors`); their multi-token-prediction blocks, appended
+to the layers by the converter, are skipped (`decoder_layers`).
 """
 
 from __future__ import annotations
