@@ -134,6 +134,27 @@ def test_pre_tokenizer_follows_the_file_s_name(pre: str, expected: list[int]) ->
     assert gguf_tokenizer(byte_level_metadata(pre)).backend.encode("12").ids == expected
 
 
+def test_qwen35s_pre_tokenizer_is_transformers_qwen3_5_split() -> None:
+    """llama.cpp's `qwen35`: Qwen2's split with combining marks kept with their letters,
+    after NFC, as transformers' Qwen3.5 tokenizer splits."""
+    from tokenizers import Regex, pre_tokenizers
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX
+
+    theirs = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    qwen35 = gguf_tokenizer(byte_level_metadata("qwen35")).backend
+    qwen2 = gguf_tokenizer(byte_level_metadata("qwen2")).backend
+    text = "नमस्ते दुनिया, x\u0301y " + MIXED_TEXT  # Devanagari's vowel signs are marks
+    assert qwen35.normalizer is not None
+    normalized = qwen35.normalizer.normalize_str(text)
+    assert qwen35.pre_tokenizer.pre_tokenize_str(normalized) == theirs.pre_tokenize_str(normalized)
+    assert qwen2.pre_tokenizer.pre_tokenize_str(normalized) != theirs.pre_tokenize_str(normalized)
+
+
 def test_unknown_pre_tokenizer_falls_back_to_gpt2_with_a_warning(caplog) -> None:
     with caplog.at_level("WARNING"):
         parts = gguf_tokenizer(byte_level_metadata("mystery-pre"))

@@ -47,9 +47,20 @@ QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5's: Qwen2's, with combining marks (\p{M}) kept with the letters they follow
+QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 _LLAMA3_NAMES = frozenset({"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "dbrx"})
 _QWEN2_NAMES = frozenset({"qwen2", "deepseek-r1-qwen"})
+# llama.cpp's pre-tokenizer names whose split is a regex, then byte-level
+_SPLITS = {
+    **dict.fromkeys(_LLAMA3_NAMES, LLAMA3_SPLIT),
+    **dict.fromkeys(_QWEN2_NAMES, QWEN2_SPLIT),
+    "qwen35": QWEN35_SPLIT,
+}
 _GPT2_NAMES = frozenset({"gpt2", "default"})
 
 
@@ -105,8 +116,8 @@ def _byte_level_pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
             ]
         )
-    if pre in _LLAMA3_NAMES or pre in _QWEN2_NAMES:
-        split = LLAMA3_SPLIT if pre in _LLAMA3_NAMES else QWEN2_SPLIT
+    split = _SPLITS.get(pre) if isinstance(pre, str) else None
+    if split is not None:
         return pre_tokenizers.Sequence(
             [
                 pre_tokenizers.Split(Regex(split), behavior="isolated"),
@@ -147,7 +158,7 @@ def _byte_level(metadata: dict[str, object], tokens: list[str]) -> Tokenizer:
             f"the GGUF's tokenizer is inconsistent ({exc}); the file is corrupt."
         ) from exc
     backend = Tokenizer(bpe)
-    if pre in _QWEN2_NAMES:
+    if pre in _QWEN2_NAMES or pre == "qwen35":  # Qwen's tokenizer.json normalize to NFC
         backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = _byte_level_pre_tokenizer(pre if isinstance(pre, str) else None)
     backend.decoder = decoders.ByteLevel()
