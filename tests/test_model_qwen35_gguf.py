@@ -181,15 +181,22 @@ def test_a_4_bit_gguf_keeps_its_layers_4_bit_and_gives_the_dequantized_logits(
     hybrid_gguf, tmp_path
 ) -> None:
     """The f32 file's matrices in Q4_0 (as llama-quantize makes them; the convolution
-    kernels stay f32): the full-attention layers' q/k/v, o and Qwen3.5's gate/up multiply
-    through kvchat's 4-bit kernels, the rest is dequantized, and the logits are those of
-    the same file's weights all dequantized."""
+    kernels stay f32; Qwen3-Next's experts Q4_0 too): the full-attention layers' q/k/v and
+    o, Qwen3.5's gate/up, Qwen3-Next's experts and shared gate/up multiply through kvchat's
+    4-bit kernels, the rest is dequantized, and the logits are those of the same file's
+    weights all dequantized."""
     family, _, f32 = hybrid_gguf
-    q4 = requantize(f32, tmp_path / f"{family}-q4_0.gguf")
+    experts = "Q4_0" if family == "qwen3_next" else None
+    q4 = requantize(f32, tmp_path / f"{family}-q4_0.gguf", experts=experts)
     native = load_model(str(q4), dtype="float32", device="cpu", weights="native")
     dense = load_model(str(q4), dtype="float32", device="cpu", weights="bf16")
-    assert "Q4" in type(native.transformer.layers[1].qkv).__name__
+    layer = native.transformer.layers[1]
+    assert "Q4" in type(layer.qkv).__name__ and "Q4" in type(layer.gate_up).__name__
     assert "Q4" not in type(dense.transformer.layers[1].qkv).__name__
+    if family == "qwen3_next":  # each expert's, and the shared one's gate/up
+        gate_up, down = layer.experts.linears[0]
+        assert "Q4" in type(gate_up).__name__ and "Q4" in type(down).__name__
+        assert dense.transformer.layers[1].experts.linears is None
     ids = torch.randint(
         0, native.config.vocab_size, (48,), generator=torch.Generator().manual_seed(4)
     )

@@ -57,6 +57,13 @@ _PHI3_GROUPS = {
     "self_attn.qkv_proj": (("attn_qkv", None),),
     "mlp.gate_up_proj": (("ffn_up", None),),
 }
+# Qwen3-Next's shared expert, gate and up fused as its layer multiplies them (the rest of
+# a hybrid's linear-attention layers stays dense: Qwen3.5's files reorder their heads)
+_QWEN3_NEXT_GROUPS = {
+    **_GROUPS,
+    "mlp.shared_expert.gate_up_proj": (("ffn_gate_shexp", None), ("ffn_up_shexp", None)),
+    "mlp.shared_expert.down_proj.weight": (("ffn_down_shexp", None),),
+}
 
 
 def quantized_linears(
@@ -72,11 +79,15 @@ def quantized_linears(
     compact = dtype != torch.float32
     arch = gguf.metadata.get("general.architecture")
     permute = arch in PERMUTED_ARCHITECTURES
-    groups = _PHI3_GROUPS if arch == "phi3" else _GROUPS
+    groups = {"phi3": _PHI3_GROUPS, "qwen3next": _QWEN3_NEXT_GROUPS}.get(str(arch), _GROUPS)
     heads = {"q": config.num_heads, "k": config.num_kv_heads}
     hf_parts = {
         "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+        "mlp.shared_expert.gate_up_proj": (
+            "mlp.shared_expert.gate_proj",
+            "mlp.shared_expert.up_proj",
+        ),
     }
     out: dict[str, Linear] = {}
     for i in range(config.num_layers):
@@ -100,7 +111,7 @@ def quantized_linears(
             runs = _runs(blocks, per_part)
             linears = [_run_linear(run, dense, dtype) for run in runs]
             out[prefix + target] = linears[0] if len(linears) == 1 else StackedLinear(linears)
-    if arch == "qwen3moe":
+    if arch in ("qwen3moe", "qwen3next"):
         out.update(expert_linears(gguf, config, dtype))
     head = gguf.tensors.get("output.weight") or gguf.tensors.get("token_embd.weight")
     if head is not None and head.ggml_type in EIGHT_BIT:
