@@ -264,7 +264,7 @@ def test_qwen35moe_files_are_refused_with_a_reason() -> None:
 def test_llama_server_writes_the_same_greedy_tokens_from_the_same_file(hybrid_gguf) -> None:
     """llama.cpp's own engine on the converter's file: its greedy continuation of a
     prompt of ids is kvchat's."""
-    from tests.test_model_families_gguf import assert_llama_server_writes_kvchats_tokens
+    from tests.llama_server_agreement import assert_llama_server_writes_kvchats_tokens
 
     family, _, gguf = hybrid_gguf
     assert_llama_server_writes_kvchats_tokens(gguf, family)
