@@ -164,13 +164,14 @@ def _split_pool(
 
 def _state_snapshots(mc, dtype, nbytes: int) -> StateSnapshots:
     """The states a hybrid model's table keeps at page ends: `STATE_SHARE` of the device
-    cache, and at least `MIN_STATES`."""
+    cache, and at least `MIN_STATES` where that leaves the pages half of it."""
     shape = mc.delta_net
     itemsize = torch.empty((), dtype=dtype).element_size()
     conv = (shape.conv_kernel - 1) * shape.conv_dim * itemsize
     recurrent = shape.num_v_heads * shape.head_k_dim * shape.head_v_dim * 4  # float32
     state_bytes = len(mc.linear_layers) * (conv + recurrent)
     capacity = max(MIN_STATES, int(STATE_SHARE * nbytes) // state_bytes)
+    capacity = max(1, min(capacity, nbytes // 2 // state_bytes))  # pages keep half at least
     return StateSnapshots(capacity, state_bytes)
 
 
