@@ -1,7 +1,7 @@
-"""Hybrid models (Qwen3.5, Qwen3-Next) through the engine: each sequence's linear-layer
-state carried from step to step, sequences side by side, and a follow-up resumed from the
-state kept where the last full page of its history ends, with transformers' greedy text
-as the oracle."""
+"""Hybrid models (Qwen3.5, dense and MoE, and Qwen3-Next) through the engine: each
+sequence's linear-layer state carried from step to step, sequences side by side, and a
+follow-up resumed from the state kept where the last full page of its history ends, with
+transformers' greedy text as the oracle."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests.parity_helpers import hf_model
 from tests.tiny_models import write_tiny_model
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next"])
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
 def family(request, tmp_path_factory):
     folder = write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
     return folder, load_model(str(folder), dtype="float32", device="cpu")

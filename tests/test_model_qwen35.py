@@ -1,6 +1,7 @@
 """Qwen3.5 (dense, text) against transformers: linear-attention layers (Gated DeltaNet)
-beside gated full attention with partial rotary, (1 + w) norms, SwiGLU; and Qwen3-Next,
-the same layers with routed experts and a gated shared expert.
+beside gated full attention with partial rotary, (1 + w) norms, SwiGLU; Qwen3-Next, the
+same layers with routed experts and a gated shared expert; and Qwen3.5-MoE, Qwen3.5's
+layers with those experts in every layer, stacked in its files.
 
 The tiny model alternates the two kinds (`QWEN35_LAYERS`), so a K/V store holds two of
 its four layers and the linear layers' states, carried from one forward to the next
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from kvchat.engine.attention.paged_attention import PagedAttention
+from kvchat.errors import ModelLoadError
 from kvchat.model.batch import ForwardBatch, FreshStates
 from kvchat.model.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from kvchat.model.loader import load_model
@@ -148,31 +150,38 @@ def test_a_batch_of_sequences_equals_each_alone(qwen35_folder):
         assert rel_err(ours, hf_logits(qwen35_folder, torch.tensor(ids))) < 1e-4
 
 
-def write_vision_language_qwen35(folder, text_folder):
+def write_vision_language_qwen35(folder, text_folder, *, moe: bool = False):
     """Qwen3.5's hub layout, scaled down: the tiny text model's weights inside
-    Qwen3_5ForConditionalGeneration beside a small vision tower (`model.language_model.*`,
-    `model.visual.*`, the text config under `text_config`), and a multi-token-prediction
-    head (`mtp.*`) as the hub's checkpoints carry, which neither transformers nor kvchat
-    reads."""
+    Qwen3_5ForConditionalGeneration (Qwen3_5MoeForConditionalGeneration: `moe`, its
+    experts stacked as the hub's files hold them) beside a small vision tower
+    (`model.language_model.*`, `model.visual.*`, the text config under `text_config`), and
+    a multi-token-prediction head (`mtp.*`) as the hub's checkpoints carry, which neither
+    transformers nor kvchat reads."""
     from safetensors.torch import load_file, save_file
     from transformers import (
         AutoModelForCausalLM,
         Qwen3_5Config,
         Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForConditionalGeneration,
+        Qwen3_5MoeVisionConfig,
         Qwen3_5VisionConfig,
     )
 
     text = AutoModelForCausalLM.from_pretrained(text_folder, dtype=torch.float32)
-    vision = Qwen3_5VisionConfig(
+    vision_config, config, model_class = (
+        (Qwen3_5MoeVisionConfig, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration)
+        if moe
+        else (Qwen3_5VisionConfig, Qwen3_5Config, Qwen3_5ForConditionalGeneration)
+    )
+    vision = vision_config(
         depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
         num_position_embeddings=16, patch_size=14,
     )  # fmt: skip
-    model = Qwen3_5ForConditionalGeneration(
-        Qwen3_5Config(text_config=text.config.to_dict(), vision_config=vision.to_dict())
-    )
+    model = model_class(config(text_config=text.config.to_dict(), vision_config=vision.to_dict()))
     model.model.language_model.load_state_dict(text.model.state_dict())
     model.lm_head.load_state_dict(text.lm_head.state_dict())
-    model.save_pretrained(folder, safe_serialization=True)
+    model.save_pretrained(folder, safe_serialization=True, save_original_format=not moe)
     (weights_file,) = folder.glob("*.safetensors")
     tensors = load_file(weights_file)
     tensors["mtp.fc.weight"] = torch.randn(3, 5)  # a shape no layer of the model has
@@ -234,3 +243,112 @@ def test_qwen3_next_bf16_error_within_transformers_own(qwen3_next_folder):
     model = load(qwen3_next_folder, "bfloat16")
     ours = rel_err(kvchat_logits(model, ids.tolist(), paged=True), exact)
     assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+
+
+@pytest.fixture(scope="module")
+def qwen35_moe_folder(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("qwen35_moe"), "qwen3_5_moe_text")
+
+
+def test_qwen35_moe_config_makes_every_layer_sparse_with_a_shared_expert(qwen35_moe_folder):
+    """Its config has no routing keys (no mlp_only_layers, decoder_sparse_step,
+    norm_topk_prob, nor a dense intermediate_size): transformers routes every layer
+    through experts, renormalized, beside a shared one."""
+    raw = json.loads((qwen35_moe_folder / "config.json").read_text())
+    assert not {"intermediate_size", "norm_topk_prob", "mlp_only_layers"} & set(raw)
+    config = ModelConfig.from_dict(raw)
+    assert config.hybrid and config.unit_offset_norms and config.qk_norm
+    assert (config.attention_layers, config.linear_layers) == ((1, 3), (0, 2))
+    assert (config.num_experts, config.num_experts_per_tok, config.shared_expert_size) == (8, 2, 48)
+    assert config.norm_topk_prob and all(config.layer_is_sparse(i) for i in range(4))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_qwen35_moe_logits_match_transformers_fp32(qwen35_moe_folder, paged):
+    """Qwen3.5's separate linear-layer projections, the stacked experts as the file holds
+    them, and the gated shared expert, in every layer."""
+    model = load(qwen35_moe_folder)
+    assert model.transformer.layers[0].experts.gate_up.shape == (8, 64, 64)  # [E, 2 I, hidden]
+    ids = random_ids(40, seed=1, low=3)
+    ours = kvchat_logits(model, ids.tolist(), paged=paged)
+    assert rel_err(ours, hf_logits(qwen35_moe_folder, ids)) < 1e-4
+
+
+def test_qwen35_moe_bf16_error_within_transformers_own(qwen35_moe_folder):
+    ids = random_ids(64, seed=2, low=3)
+    exact = hf_logits(qwen35_moe_folder, ids)
+    theirs = rel_err(hf_logits(qwen35_moe_folder, ids, torch.bfloat16), exact)
+    model = load(qwen35_moe_folder, "bfloat16")
+    ours = rel_err(kvchat_logits(model, ids.tolist(), paged=True), exact)
+    assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+
+
+def test_qwen35_moe_a_batch_of_sequences_equals_each_alone(qwen35_moe_folder):
+    """The experts group the batch's tokens across sequences; each run's linear layers
+    keep to its own state."""
+    model = load(qwen35_moe_folder)
+    prompts = [random_ids(n, seed=n, low=3).tolist() for n in (36, 21)]
+    prefill = [30, 12]
+    together = paged_logits(model, prompts, prefill)
+    for ids, n, ours in zip(prompts, prefill, together, strict=True):
+        alone = paged_logits(model, [ids], [n])[0]
+        assert rel_err(ours, alone) < 1e-5
+        assert rel_err(ours, hf_logits(qwen35_moe_folder, torch.tensor(ids))) < 1e-4
+
+
+def test_qwen35_moe_experts_one_tensor_each_give_the_same_logits(qwen35_moe_folder, tmp_path):
+    """transformers' save_pretrained writes the experts one tensor an expert and projection
+    (`mlp.experts.{e}.gate_proj.weight`, ...) unless told otherwise: read as well as the
+    stacked ones, to the same logits."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "per-expert"
+    folder.mkdir()
+    for path in qwen35_moe_folder.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    tensors = load_file(folder / "model.safetensors")
+    for name in [n for n in tensors if n.endswith("mlp.experts.gate_up_proj")]:
+        experts = name.removesuffix("gate_up_proj")
+        down = tensors.pop(f"{experts}down_proj")
+        for e, (gate_up, down_e) in enumerate(zip(tensors.pop(name), down, strict=True)):
+            gate, up = gate_up.chunk(2)
+            for part, weight in (("gate", gate), ("up", up), ("down", down_e)):
+                tensors[f"{experts}{e}.{part}_proj.weight"] = weight.contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in tensors
+    ids = random_ids(40, seed=3, low=3)
+    split = kvchat_logits(load(folder), ids.tolist(), paged=True)
+    assert rel_err(split, kvchat_logits(load(qwen35_moe_folder), ids.tolist(), paged=True)) < 1e-6
+    assert rel_err(split, hf_logits(folder, ids)) < 1e-4  # transformers stacks them on load
+
+
+def test_qwen35_moe_experts_that_disagree_with_the_config_are_refused(qwen35_moe_folder, tmp_path):
+    folder = tmp_path / "edited"
+    folder.mkdir()
+    for path in qwen35_moe_folder.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    raw = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, "moe_intermediate_size": 16}))
+    with pytest.raises(ModelLoadError, match="stacked experts"):
+        load(folder)
+
+
+def test_a_vision_language_qwen35_moe_runs_its_text_model(qwen35_moe_folder, tmp_path):
+    """Qwen3.5-MoE's hub layout: the text model's stacked experts under
+    `model.language_model.*` beside a vision tower and an mtp head; kvchat computes what
+    Qwen3_5MoeForConditionalGeneration computes for text."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    folder = write_vision_language_qwen35(tmp_path / "qwen35-moe-vl", qwen35_moe_folder, moe=True)
+    raw = json.loads((folder / "config.json").read_text())
+    assert raw["model_type"] == "qwen3_5_moe"
+    assert raw["architectures"] == ["Qwen3_5MoeForConditionalGeneration"]
+    names = {name for name, _ in read_tensors(folder, torch.float32, torch.device("cpu"))}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in names
+    model = load(folder)
+    assert model.config.model_type == "qwen3_5_moe_text" and model.config.shared_expert_size == 48
+    ids = random_ids(40, seed=7, low=3)
+    reference = Qwen3_5MoeForConditionalGeneration.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        theirs = reference.eval()(input_ids=ids[None]).logits[0].float()
+    assert rel_err(kvchat_logits(model, ids.tolist(), paged=True), theirs) < 1e-4

@@ -72,7 +72,9 @@ GEMMA3_WINDOW = 16
 # Qwen3.5's hybrid pattern, scaled down: every other layer full attention (every fourth
 # there), so four layers hold both kinds twice; linear layers with fewer key heads than
 # value heads, as Qwen3.5's (16 and 32 there)
-HYBRID = ("qwen3_5_text", "qwen3_next")
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+# the hybrids with experts, stacked in transformers' modules (3-d parameters)
+STACKED_EXPERTS = ("qwen3_5_moe_text", "qwen3_next")
 QWEN35_LAYERS = dict(
     num_hidden_layers=4,
     full_attention_interval=2,
@@ -99,8 +101,8 @@ def write_tiny_model(
     **overrides,
 ) -> Path:
     """Write a tiny random model of `family` ("gemma3_text", "gpt_oss", "llama", "llama3",
-    "ministral3", "phi3", "qwen2", "qwen3", "qwen3_5_text", "qwen3_moe", "qwen3_next",
-    "smollm3") into `folder`."""
+    "ministral3", "phi3", "qwen2", "qwen3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_moe",
+    "qwen3_next", "smollm3") into `folder`."""
     from transformers import (
         Gemma3ForCausalLM,
         Gemma3TextConfig,
@@ -115,6 +117,8 @@ def write_tiny_model(
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3_5ForCausalLM,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeTextConfig,
         Qwen3_5TextConfig,
         Qwen3Config,
         Qwen3ForCausalLM,
@@ -128,6 +132,8 @@ def write_tiny_model(
 
     torch.manual_seed(seed)
     shapes = {**TINY_SHAPES, "vocab_size": vocab_size, **overrides}
+    # transformers writes stacked experts back one file tensor an expert; False: as held
+    original_format = True
     if family == "qwen3":  # head_dim set apart from hidden / heads, as Qwen3's configs do
         config = Qwen3Config(
             **{"head_dim": 32, **shapes}, tie_word_embeddings=True, rope_theta=1_000_000.0
@@ -245,6 +251,34 @@ def write_tiny_model(
             eos_token_id=2,
         )
         model = Qwen3NextForCausalLM(config)
+    elif family == "qwen3_5_moe_text":
+        # Qwen3.5's layers with Qwen3.5-35B-A3B's routing scaled down (8 of 256 experts and
+        # a shared one there, 2 of 8 and a shared one here) in every layer; the experts
+        # written stacked, as the hub's files hold them
+        overrides_of(tuple(QWEN35_LAYERS), shapes)
+        layers = {**QWEN35_LAYERS, **overrides_of(tuple(QWEN35_LAYERS), dict(overrides))}
+        shapes.pop("intermediate_size")  # no dense feed-forward: not a key of its config
+        config = Qwen3_5MoeTextConfig(
+            **{"head_dim": 32, **shapes},
+            **layers,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10_000_000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10],
+                "mrope_interleaved": True,
+            },
+            tie_word_embeddings=False,
+            pad_token_id=None,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        model = Qwen3_5MoeForCausalLM(config)
+        original_format = False
     elif family == "qwen2":
         config = Qwen2Config(**shapes, tie_word_embeddings=True, rope_theta=1_000_000.0)
         model = Qwen2ForCausalLM(config)
@@ -284,13 +318,13 @@ def write_tiny_model(
                 p.uniform_(-0.5, 0.5)  # start at zeros (1 + w); the gated norm's is a plain w
             elif family in HYBRID and name.endswith("linear_attn.norm.weight"):
                 p.uniform_(0.5, 1.5)
-            elif family == "qwen3_next" and "experts" in name and p.dim() == 3:
+            elif family in STACKED_EXPERTS and "experts" in name and p.dim() == 3:
                 p.normal_(0.0, 0.1)  # stacked experts start at zeros, and are not scaled above
             elif family == "gpt_oss" and name.endswith("sinks"):
                 p.normal_(0.0, 1.0)  # a sink comparable to a row's scores
             elif family == "gpt_oss" and (name.endswith("bias") or "experts" in name):
                 p.normal_(0.0, 0.1)  # the stacked experts are 3-d: not scaled above
-    model.save_pretrained(folder, safe_serialization=True)
+    model.save_pretrained(folder, safe_serialization=True, save_original_format=original_format)
     if with_tokenizer:
         from tests.tiny_tokenizers import write_tiny_tokenizer
 

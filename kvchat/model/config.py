@@ -18,8 +18,9 @@ Qwen3.5 is hybrid: three layers in four replace attention by a linear-attention 
 (Gated DeltaNet, `layer_kinds`, `delta_net`) whose memory is a per-sequence state rather
 than K/V (the engine keeps one per sequence), and its norms multiply by (1 + w) as
 Gemma's do; Qwen3-Next is the same hybrid with Qwen3-MoE's experts and a gated shared
-expert beside them (`shared_expert_size`). Anything else is refused here, with a
-message, before any weight is read.
+expert beside them (`shared_expert_size`), and Qwen3.5-MoE is Qwen3.5 with Qwen3-Next's
+feed-forward in every layer (its experts stacked in its files). Anything else is refused
+here, with a message, before any weight is read.
 """
 
 from __future__ import annotations
@@ -35,22 +36,28 @@ from kvchat.errors import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = (
     "gemma3_text", "gpt_oss", "llama", "ministral3", "mistral", "phi3", "qwen2", "qwen3",
-    "qwen3_5_text", "qwen3_moe", "qwen3_next", "smollm3",
+    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "smollm3",
 )  # fmt: skip
 SUPPORTED_FAMILIES = (
     "Gemma 3 (text), gpt-oss, Llama 2/3.x, Ministral 3, Mistral, Phi-3 / Phi-4-mini, "
-    "Qwen2/2.5, Qwen3 (dense and MoE), Qwen3.5 (dense), Qwen3-Next, SmolLM2, SmolLM3, "
-    "TinyLlama"
+    "Qwen2/2.5, Qwen3 (dense and MoE), Qwen3.5 (dense and MoE), Qwen3-Next, SmolLM2, "
+    "SmolLM3, TinyLlama"
 )
 GPT_OSS = "gpt_oss"
 # vision-language checkpoints whose text model kvchat runs (their images are not read)
-TEXT_MODEL_OF = {"gemma3": "gemma3_text", "mistral3": "ministral3", "qwen3_5": "qwen3_5_text"}
+TEXT_MODEL_OF = {
+    "gemma3": "gemma3_text",
+    "mistral3": "ministral3",
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+}
 GEMMA3 = "gemma3_text"
 QWEN35 = "qwen3_5_text"
+QWEN35_MOE = "qwen3_5_moe_text"
 QWEN3_NEXT = "qwen3_next"
 # Models with linear-attention layers beside full attention (`qwen35_layer`): the engine
 # keeps a state per sequence and linear layer beside the K/V pages (`sequence_states`)
-HYBRID_MODEL_TYPES = (QWEN35, QWEN3_NEXT)
+HYBRID_MODEL_TYPES = (QWEN35, QWEN35_MOE, QWEN3_NEXT)
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 # Gemma3TextConfig's defaults: the multimodal checkpoints' text_config leaves most out
@@ -191,8 +198,8 @@ class ModelConfig:
     # shape `delta_net`, its memory a state per sequence); None: every layer attends
     layer_kinds: tuple[str, ...] | None = None
     delta_net: DeltaNetShape | None = None
-    # Qwen3-Next: each sparse layer's shared expert (a SwiGLU this wide, its output scaled by
-    # a sigmoid gate of its own) beside the routed ones; 0: none
+    # Qwen3-Next, Qwen3.5-MoE: each sparse layer's shared expert (a SwiGLU this wide, its
+    # output scaled by a sigmoid gate of its own) beside the routed ones; 0: none
     shared_expert_size: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -210,9 +217,8 @@ class ModelConfig:
 
     @property
     def unit_offset_norms(self) -> bool:
-        """Decoder norms that multiply by (1 + w) in float32 (Gemma 3's, Qwen3.5's,
-        Qwen3-Next's)."""
-        return self.model_type in (GEMMA3, QWEN35, QWEN3_NEXT)
+        """Decoder norms that multiply by (1 + w) in float32 (Gemma 3's and the hybrids')."""
+        return self.model_type in (GEMMA3, *HYBRID_MODEL_TYPES)
 
     def layer_kind(self, index: int) -> str:
         """FULL_ATTENTION or LINEAR_ATTENTION: what layer `index` mixes tokens with."""
@@ -276,7 +282,7 @@ class ModelConfig:
             outer = raw
             model_type = TEXT_MODEL_OF[model_type]
             raw = {**raw, **raw["text_config"], "model_type": model_type}
-            if model_type == QWEN35:  # transformers ties by the outer config's flag
+            if model_type in (QWEN35, QWEN35_MOE):  # transformers ties by the outer flag
                 raw["tie_word_embeddings"] = bool(outer.get("tie_word_embeddings", False))
         if model_type == GEMMA3:
             raw = {**GEMMA3_TEXT_DEFAULTS, **raw}
@@ -310,7 +316,10 @@ class ModelConfig:
                 model_type=model_type,
                 vocab_size=int(raw["vocab_size"]),
                 hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
+                # Qwen3.5-MoE has no dense feed-forward: its config leaves the key out
+                intermediate_size=int(raw.get("intermediate_size") or 0)
+                if model_type == QWEN35_MOE
+                else int(raw["intermediate_size"]),
                 num_layers=int(raw["num_hidden_layers"]),
                 num_heads=heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
@@ -417,9 +426,10 @@ def _gemma3(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _hybrid(raw: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3.5's and Qwen3-Next's fields, as transformers reads them: each layer's kind
-    from `layer_types`, else every `full_attention_interval`-th layer (4 by default) full
-    attention and the others linear; the linear layers' shape from the `linear_*` keys."""
+    """The hybrids' fields (Qwen3.5's, dense or MoE, and Qwen3-Next's), as transformers
+    reads them: each layer's kind from `layer_types`, else every
+    `full_attention_interval`-th layer (4 by default) full attention and the others
+    linear; the linear layers' shape from the `linear_*` keys."""
     layers = int(raw["num_hidden_layers"])
     kinds = raw.get("layer_types")
     if kinds is None:
@@ -476,7 +486,10 @@ def _gpt_oss(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def _experts(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
-    """Qwen3-MoE's and gpt-oss's expert fields; none for the dense families."""
+    """Qwen3-MoE's, Qwen3-Next's, Qwen3.5-MoE's and gpt-oss's expert fields; none for the
+    dense families. Qwen3.5-MoE's config has no routing keys: every layer is sparse, the
+    chosen experts' weights always renormalized, a shared expert in each (transformers'
+    Qwen3_5MoeSparseMoeBlock)."""
     if model_type == GPT_OSS:
         return {
             "num_experts": int(raw.get("num_local_experts") or raw["num_experts"]),
@@ -484,7 +497,7 @@ def _experts(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
                 raw.get("num_experts_per_tok") or raw.get("experts_per_token") or 4
             ),
         }
-    if model_type not in ("qwen3_moe", QWEN3_NEXT):
+    if model_type not in ("qwen3_moe", QWEN3_NEXT, QWEN35_MOE):
         return {}
     experts = {
         # Qwen's checkpoints say num_experts; transformers 5 writes num_local_experts
@@ -497,6 +510,14 @@ def _experts(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
     }
     if model_type == QWEN3_NEXT:
         experts["shared_expert_size"] = int(raw.get("shared_expert_intermediate_size") or 0)
+    if model_type == QWEN35_MOE:
+        experts.update(
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=(),
+            # transformers' default where the key is left out
+            shared_expert_size=int(raw.get("shared_expert_intermediate_size") or 512),
+        )
     if not 0 < experts["num_experts_per_tok"] <= experts["num_experts"]:
         raise ModelLoadError(
             f"config.json asks for {experts['num_experts_per_tok']} of "

@@ -1,5 +1,6 @@
 """Qwen3.5's decoder layer (dense), as transformers' Qwen3_5DecoderLayer computes it,
-and Qwen3-Next's (Qwen3NextDecoderLayer), the same with sparse feed-forward layers.
+and Qwen3-Next's (Qwen3NextDecoderLayer) and Qwen3.5-MoE's (Qwen3_5MoeDecoderLayer), the
+same with sparse feed-forward layers.
 
 Three layers in four (by default) mix tokens through a Gated DeltaNet
 (`gated_deltanet`): its memory of a sequence is one fixed-size state, read and written
@@ -9,9 +10,10 @@ gate beside its query ([q | gate], head by head), the attention's output is mult
 by sigmoid(gate) before o_proj; only the leading quarter of each head rotates
 (`partial_rotary_factor`; Qwen3.5's multimodal rotary is plain rotary for text, every
 position stream being the token's position). Every decoder norm multiplies by (1 + w) in
-float32, as Gemma's do (`gemma_rms_norm`); the feed-forward is SwiGLU, or in Qwen3-Next's
-sparse layers Qwen3-MoE's routed experts (`SparseMoE`) plus a shared SwiGLU expert whose
-output is scaled by sigmoid of a gate of its own.
+float32, as Gemma's do (`gemma_rms_norm`); the feed-forward is SwiGLU, or in the sparse
+layers (Qwen3-Next's, every one of Qwen3.5-MoE's) Qwen3-MoE's routed experts
+(`SparseMoE`) plus a shared SwiGLU expert whose output is scaled by sigmoid of a gate of
+its own.
 
 A layer knows its place among the layers of its kind (`ordinal`): the K/V store holds
 only the attention layers, the engine's states only the linear ones.
@@ -63,8 +65,8 @@ class Qwen35Layer:
             self.o = make_linear(
                 [weights["self_attn.o_proj.weight"]], [o_bias] if o_bias is not None else None
             )
-        # Qwen3-Next's sparse layers: routed experts, and a shared one (gate_up, down) whose
-        # output is scaled by sigmoid(shared_gate(x))
+        # Qwen3-Next's and Qwen3.5-MoE's sparse layers: routed experts, and a shared one
+        # (gate_up, down) whose output is scaled by sigmoid(shared_gate(x))
         self.experts = (
             SparseMoE.from_weights(weights, config) if config.layer_is_sparse(index) else None
         )

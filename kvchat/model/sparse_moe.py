@@ -1,6 +1,6 @@
-"""A sparse mixture-of-experts feed-forward (Qwen3-MoE, gpt-oss): a router picks `k`
-experts a token, each a SwiGLU MLP of its own, and their outputs are summed by the
-router's weights.
+"""A sparse mixture-of-experts feed-forward (Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE,
+gpt-oss): a router picks `k` experts a token, each a SwiGLU MLP of its own, and their
+outputs are summed by the router's weights.
 
 The two families differ in three places, each a branch here: Qwen3-MoE's router takes a
 softmax over every expert, then the top k (renormalized where the config says); gpt-oss's
@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvchat.errors import ModelLoadError
 from kvchat.model.decoder_ops import silu_mul
 from kvchat.model.linear import Linear, slot_names
 
@@ -59,9 +60,28 @@ class SparseMoE:
     @classmethod
     def from_weights(cls, weights: dict[str, torch.Tensor], config) -> SparseMoE:
         """From Hugging Face's per-expert names (`mlp.experts.{e}.gate_proj.weight`, ...)
-        under `mlp.`; `mlp.gate.weight` is the router. gpt-oss's: `from_gpt_oss`."""
+        under `mlp.`, or the experts stacked as transformers holds them (Qwen3.5-MoE's
+        files: `mlp.experts.gate_up_proj` [E, 2 I, hidden], gate rows then up rows, and
+        `mlp.experts.down_proj` [E, hidden, I], this class's own layout);
+        `mlp.gate.weight` is the router. gpt-oss's: `from_gpt_oss`."""
         if config.expert_kind == "gpt_oss":
             return cls.from_gpt_oss(weights, config)
+        if "mlp.experts.gate_up_proj" in weights:
+            gate_up, down = weights["mlp.experts.gate_up_proj"], weights["mlp.experts.down_proj"]
+            e, i, hidden = config.num_experts, config.moe_intermediate_size, config.hidden_size
+            if gate_up.shape != (e, 2 * i, hidden) or down.shape != (e, hidden, i):
+                raise ModelLoadError(
+                    f"The stacked experts are {tuple(gate_up.shape)} and {tuple(down.shape)} "
+                    f"where the config makes {(e, 2 * i, hidden)} and {(e, hidden, i)}; the "
+                    "model's files disagree with its config."
+                )
+            return cls(
+                weights["mlp.gate.weight"],
+                gate_up,
+                down,
+                config.num_experts_per_tok,
+                config.norm_topk_prob,
+            )
         experts = range(config.num_experts)
         built = [
             (

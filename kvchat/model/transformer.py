@@ -376,7 +376,11 @@ def _missing_weights(config: ModelConfig, weights: dict) -> list[str]:
             else (f"{p}_proj.{k}" for p in ("gate", "up", "down") for k in ("weight", "bias"))
         )
         experts = ("mlp.router.weight", "mlp.router.bias", *(f"mlp.experts.{n}" for n in stacked))
-    if config.shared_expert_size:  # Qwen3-Next's
+    if config.expert_kind != "gpt_oss" and any(
+        name.endswith("mlp.experts.gate_up_proj") for name in weights
+    ):  # stacked, as Qwen3.5-MoE's files hold them (`SparseMoE.from_weights`)
+        experts = ("mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    if config.shared_expert_size:  # Qwen3-Next's, Qwen3.5-MoE's
         experts = (
             *experts,
             "mlp.shared_expert_gate.weight",
