@@ -136,10 +136,10 @@ def test_each_model_is_described_by_its_files(stores, tmp_path):
     assert gguf.size == stores["ollama"].stat().st_size
     hf = describe(stores["hf"])  # its safetensors are links into the cache's blobs
     assert (hf.format, hf.architecture, hf.supported) == ("hf", "llama", True) and hf.size > 0
-    other = tmp_path / "qwen3-next"
+    other = tmp_path / "falcon-h1"
     shutil.copytree(stores["hf"], other, symlinks=False)
     config = json.loads((other / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_next"}))
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "falcon_h1"}))
     refused = describe(other)
     assert not refused.supported and "Unsupported architecture" in refused.reason
     assert quant_in_name("Qwen3-1.7B-Q4_K_M.gguf") == "Q4_K_M"
@@ -161,7 +161,7 @@ def test_the_models_command_lists_every_store_and_says_why_one_does_not_run(stor
     refused = stores["folder"] / "not-a-llama"
     shutil.copytree(stores["folder"] / "my-llama", refused)
     config = json.loads((refused / "config.json").read_text())
-    (refused / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_next"}))
+    (refused / "config.json").write_text(json.dumps({**config, "model_type": "falcon_h1"}))
     done = kvchat("models", home=home)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
