@@ -35,7 +35,7 @@ def hub(tmp_path, tiny_llama_dir):
             ),
             "tiny-org/one-GGUF": Repo({"one-Q4_1.gguf": q4}, gguf_architecture="llama"),
             "tiny-org/falcon-h1": Repo({**folder, "config.json": hybrid}),
-            "tiny-org/qwen3-next-GGUF": Repo({"g-Q4_0.gguf": q4_0}, gguf_architecture="qwen3next"),
+            "tiny-org/jamba-GGUF": Repo({"g-Q4_0.gguf": q4_0}, gguf_architecture="jamba"),
         }
     )
     server = HubServer(hub)
@@ -115,8 +115,8 @@ def test_a_model_folder_comes_whole_and_runs(hub, tmp_path):
             "tiny-org/falcon-h1 is not a model kvchat runs: Unsupported architecture",
         ),
         (
-            "tiny-org/qwen3-next-GGUF",
-            "tiny-org/qwen3-next-GGUF is a qwen3next model, which kvchat does not",
+            "tiny-org/jamba-GGUF",
+            "tiny-org/jamba-GGUF is a jamba model, which kvchat does not",
         ),
         ("tiny-org/nothing", "there is no model tiny-org/nothing on the hub"),
         ("not a name", "'not a name' is not a hub model name: use ORG/NAME"),
