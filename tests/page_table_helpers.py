@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvchat.engine.cache.page_hash import root_salt
+from kvchat.engine.cache.page_hash import page_hash, root_salt
 from kvchat.engine.cache.page_table import PageTable, Reservation
 from kvchat.engine.cache.window_slots import WindowSlots
 from kvchat.engine.tiers.host_tier import HostTier
@@ -21,6 +21,14 @@ SALT = root_salt("test-model", "float32", "fp")
 
 
 Slot = tuple[int, ...] | None
+
+
+def chain_hash(tokens: tuple[int, ...]) -> bytes:
+    """The hash naming the pages that hold `tokens` (a whole number of pages)."""
+    h = SALT
+    for i in range(0, len(tokens), PS):
+        h = page_hash(h, tokens[i : i + PS])
+    return h
 
 
 class FakeMover:

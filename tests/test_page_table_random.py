@@ -17,11 +17,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvchat.engine.cache.page_hash import page_hash
 from kvchat.engine.cache.page_table import PageTable
 from kvchat.engine.tiers.host_tier import HostTier
 from tests.disk_helpers import DiskMover, FakeDisk
-from tests.page_table_helpers import PS, SALT, assert_data
+from tests.page_table_helpers import PS, SALT, assert_data, chain_hash
 
 MONOTONIC = (
     "evictions.device_to_host",
@@ -37,14 +36,6 @@ MONOTONIC = (
     "device_to_disk",
 )
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=14)
-
-
-def chain_hash(tokens: tuple[int, ...]) -> bytes:
-    """The hash naming the pages that hold `tokens` (a whole number of pages)."""
-    h = SALT
-    for i in range(0, len(tokens), PS):
-        h = page_hash(h, tokens[i : i + PS])
-    return h
 
 
 def has_live(m: PageTableMachine) -> bool:

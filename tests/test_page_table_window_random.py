@@ -19,24 +19,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvchat.engine.cache.page_hash import page_hash
 from kvchat.engine.cache.page_table import PageTable
 from kvchat.engine.cache.window_slots import UNKEPT, WindowSlots
 from kvchat.engine.tiers.host_tier import HostTier
 from tests.disk_helpers import FakeDisk, WindowDiskMover
-from tests.page_table_helpers import PS, SALT, assert_data
+from tests.page_table_helpers import PS, SALT, assert_data, chain_hash
 
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=24)
 CHUNKS = st.just(-1) | st.integers(0, 8)  # what the first step computes; -1: all of it
 MAX_TOKENS = 40  # a sequence's tokens, at most: up to 10 pages
-
-
-def chain_hash(tokens: tuple[int, ...]) -> bytes:
-    """The hash naming the pages that hold `tokens` (a whole number of pages)."""
-    h = SALT
-    for i in range(0, len(tokens), PS):
-        h = page_hash(h, tokens[i : i + PS])
-    return h
 
 
 def has_live(m: WindowTableMachine) -> bool:
