@@ -119,7 +119,9 @@ def make_shape(
         )
         progress(f"Converting {shape.name} with llama.cpp's convert_hf_to_gguf.py...")
         bf16 = partial / f"{shape.name}-bf16.gguf"
-        llama_cpp_tools.convert(made.hf_folder, bf16, "bf16", tools_cache or cache)
+        llama_cpp_tools.convert(
+            made.hf_folder, bf16, "bf16", tools_cache or cache, shape.convert_options
+        )
         for quant in QUANTS:
             progress(f"Quantizing {shape.name} to {quant} with llama-quantize...")
             llama_cpp_tools.quantize(bf16, made.gguf(quant), quant, quantizer)

@@ -24,6 +24,9 @@ class ModelShape:
     describes: str  # the model whose configuration this is
     config_class: str  # transformers' config class
     config: dict[str, Any] = field(default_factory=dict)
+    # more of llama.cpp's converter flags this shape needs (`--no-mtp`: its folder has no
+    # multi-token-prediction layers, which the converter otherwise asks of Qwen3.5's)
+    convert_options: tuple[str, ...] = ()
 
     def transformers_config(self):
         import transformers
@@ -129,6 +132,40 @@ QWEN3_30B_A3B_2L = ModelShape(
     },
 )
 
+# Qwen3.5's hybrid layers as transformers' Qwen3_5TextConfig defaults them ("Qwen3.5-9B
+# style": 16 + 32 linear-attention heads of 128 beside 16 + 4 attention heads of 256),
+# 4 of its 32 layers (three linear, one full): the switch workloads measure how much of a
+# conversation its kept states spare; the embeddings and untied head are two thirds of it
+QWEN3_5_9B_4L = ModelShape(
+    "qwen3.5-9b-4l",
+    "transformers' Qwen3.5-9B-style Qwen3_5TextConfig with 4 of its 32 layers",
+    "Qwen3_5TextConfig",
+    {
+        "vocab_size": 248320,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+        "tie_word_embeddings": False,
+    },
+    convert_options=("--no-mtp",),
+)
+
 # a few hundred thousand weights, for the tests of the maker itself
 TINY_LLAMA = ModelShape(
     "tiny-llama",
@@ -148,6 +185,13 @@ TINY_LLAMA = ModelShape(
 
 SHAPES = {
     shape.name: shape
-    for shape in (LLAMA_3_2_1B, QWEN2_5_1_5B, GEMMA_3_1B, QWEN3_30B_A3B_2L, TINY_LLAMA)
+    for shape in (
+        LLAMA_3_2_1B,
+        QWEN2_5_1_5B,
+        GEMMA_3_1B,
+        QWEN3_30B_A3B_2L,
+        QWEN3_5_9B_4L,
+        TINY_LLAMA,
+    )
 }
 QUANTS = ("Q4_0", "Q4_K_M")  # what each shape is made in, by llama-quantize
