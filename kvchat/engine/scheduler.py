@@ -294,17 +294,27 @@ class Scheduler:
                 self.finish(seq, FinishReason.STOP)
                 continue
             end = min(len(seq.tokens), seq.num_computed + budget)
-            if self.table.states is not None and end < len(seq.tokens):
-                # a hybrid model's next chunk resumes from the state at a page end: end
-                # this one at a page end where it reaches one, so nothing is computed twice
-                page_end = end // self.table.page_size * self.table.page_size
-                end = page_end if page_end > seq.num_computed else end
+            hybrid = self.table.states is not None
+            if hybrid and end < len(seq.tokens):
+                # a hybrid model's next chunk resumes from the state at a page end, so this
+                # one ends at one (a chunk ending mid-page would be computed again by the
+                # next, for ever): beside streams it waits for a budget that reaches one,
+                # alone it goes on to the next page end
+                S = self.table.page_size
+                if end // S * S > seq.num_computed:
+                    end = end // S * S
+                elif plan.decodes:
+                    return
+                else:
+                    end = min(len(seq.tokens), (seq.num_computed // S + 1) * S)
             reservation = self.table.reserve(seq.id, seq.tokens[:end], count_as="type_ahead")
             if reservation is None:
                 return  # no room even for a chunk: try again next step
-            # pages evicted since the last chunk are computed again, within the budget
+            # pages evicted since the last chunk are computed again, within the budget (a
+            # hybrid model's, up to where `end` is: it resumes from the page end before)
             seq.num_computed = reservation.to_compute_from
-            plan.runs.append((seq, min(end - seq.num_computed, budget)))
+            n = end - seq.num_computed
+            plan.runs.append((seq, n if hybrid else min(n, budget)))
             return
 
     def _chunk_cap(self, seq: Sequence, decoding: bool) -> int:

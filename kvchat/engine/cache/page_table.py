@@ -174,6 +174,11 @@ class PageTable:
                     window.ref(p)
             if walk.tail_src is not None and window.has(walk.tail_src):
                 window.ref(walk.tail_src)  # the tail's source (or the page extended)
+        # a hybrid model's state where it resumes, if only the host has it: read before
+        # making room, whose evictions bring states to the host and may push it out
+        host_resume_state = None
+        if self.states is not None and walk.chain and walk.chain[-1][1] is None:
+            host_resume_state = self._tiers.state_on_host(walk.chain[-1][0])
         if plan.takeover:
             self._cached.discard(plan.after)  # this sequence extends it in place
         fresh = iter(
@@ -205,10 +210,8 @@ class PageTable:
                 if window is not None:
                     has_part = self._tiers.window_on_host(h)
                     self._restore_window(p, has_part, held=len(pages) >= window_from)
-                if self.states is not None and (len(pages) + 1) * ps == matched:
-                    state = self._tiers.state_on_host(h)  # where it resumes
-                    if state is not None:
-                        self.states.put(p, state)
+                if host_resume_state is not None and (len(pages) + 1) * ps == matched:
+                    self.states.put(p, host_resume_state)  # type: ignore[union-attr]
                 entry = self._tiers.restore_from_host(h, p, clock)
                 self._index_restored(p, h, entry.parent, entry.tokens, clock)
                 self._pages[p].refcount = 1
@@ -351,6 +354,8 @@ class PageTable:
                 page.hash = page_hash(page.parent, page.tokens)
                 if self._index.add_full(page.hash, p) or self._window_replaces(p):
                     self._drop_dominated_siblings(p)
+                else:
+                    self._hand_state_over(p)
         if self._window is not None:  # pages behind its next query's window: no longer its
             upto = min(self._window.first_page(seq.num_tokens), seq.window_to)
             for j in range(seq.window_from, upto):
@@ -815,6 +820,15 @@ class PageTable:
 
         return cut
 
+    def _hand_state_over(self, p: int) -> None:
+        """Page `p` duplicates an indexed page: a state kept at `p`'s end goes to the
+        indexed one if it has none (else a history cut back where its state was let go
+        would be cut there again at every request, and a type-ahead never get past it)."""
+        states, h = self.states, self._pages[p].hash
+        q = self._index.get(h) if h is not None else None
+        if states is not None and q is not None and states.has(p) and not states.has(q):
+            states.put(q, states.get(p))
+
     def _state_of(self, page: int) -> Any:
         """The state kept at device page `page`'s end, or None (for the lower tiers)."""
         assert self.states is not None
@@ -824,6 +838,7 @@ class PageTable:
         """A step ended page `page` of a sequence: keep the linear layers' state there."""
         assert self.states is not None, "this table keeps no states"
         self.states.put(page, state)
+        self._hand_state_over(page)  # the page may duplicate an indexed one already
 
     def resume_state(self, seq_id: int) -> Any:
         """The state an admitted sequence resumes from (at its cached prefix's end), once."""
