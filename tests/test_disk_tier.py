@@ -375,3 +375,24 @@ def test_writer_ignores_busy_when_its_backlog_passes_the_limit() -> None:
     writer.submit(done.set, nbytes=101)
     assert done.wait(timeout=30)
     writer.close(timeout=1)
+
+
+def test_a_hybrid_models_page_keeps_its_state_or_an_empty_one(tmp_path: Path) -> None:
+    """A hybrid model's page file ends with the linear layers' state kept at the page's
+    end, or with empty parts and a 0 flag (a real state is megabytes: not written as zeros)."""
+    shapes = ((2, 3, 5), (2, 4, 6, 6))
+    fmt = DiskPageFormat(SALT, S, L, H, D, "bfloat16", "native", state_shapes=shapes)
+    kv = [torch.randn(L, S, H, D).to(torch.bfloat16) for _ in range(2)]
+    state = [torch.randn(shapes[0]).to(torch.bfloat16), torch.randn(shapes[1])]
+    tokens = tuple(range(S))
+    empty = [torch.zeros(0, 3, 5, dtype=torch.bfloat16), torch.zeros(0, 4, 6, 6)]
+    with_state = [*kv, *state, torch.ones(1, dtype=torch.uint8)]
+    without = [*kv, *empty, torch.zeros(1, dtype=torch.uint8)]
+    for n, parts in enumerate((with_state, without)):
+        parent = page_hash(SALT, (n,) * S)
+        h = page_hash(parent, tokens)
+        path = page_path(tmp_path, SALT, parent, h)
+        disk_page.write_file_atomically(path, disk_page.encode_page(fmt, h, parent, tokens, parts))
+        _, read = read_page(path, fmt, h, parent)
+        assert all(torch.equal(a, b) for a, b in zip(read, parts, strict=True))
+    assert path.stat().st_size < 2 * sum(t.numel() * t.element_size() for t in kv)

@@ -59,7 +59,7 @@ class DiskPageFormat:
     window_flag: bool = False
     # a hybrid model: the linear layers' state kept at the page's end, stacked over those
     # layers (conv [n, K - 1, channels] in `dtype`, recurrent [n, Hv, Dk, Dv] float32;
-    # zeros and a 0 flag where the page has none)
+    # empty ([0, ...]) and a 0 flag where the page has none)
     state_shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
@@ -195,7 +195,9 @@ def read_page(
             raise FileNotFoundError(str(path)) from None
         raise DiskPageInvalid(f"unreadable ({exc})") from None
     for name, t in zip(fmt.part_names, parts, strict=True):
-        if tuple(t.shape) != fmt.part_shape(name) or t.dtype != fmt.part_dtype(name):
+        want = fmt.part_shape(name)
+        none = name in STATE_PARTS[:2] and tuple(t.shape) == (0, *want[1:])  # no state kept
+        if (tuple(t.shape) != want and not none) or t.dtype != fmt.part_dtype(name):
             raise DiskPageInvalid(f"tensor {name} is {tuple(t.shape)} {t.dtype}")
     if checksum(parts) != meta["checksum"]:
         raise DiskPageInvalid("checksum mismatch")

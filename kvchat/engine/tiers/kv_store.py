@@ -401,14 +401,15 @@ class KVPageMover:
 
     def state_parts(self, state: Sequence[DeltaNetState] | None) -> list[torch.Tensor]:
         """A hybrid model's state kept at a page's end as the disk page's parts (CPU
-        tensors, stacked over the linear layers; zeros and a 0 flag for none)."""
+        tensors, stacked over the linear layers; for none, empty ones and a 0 flag: a
+        real model's state is megabytes, more than a page's K/V)."""
         layout = self.states
         assert layout is not None, "this model keeps no states"
         conv_shape, recurrent_shape = layout.shapes
         if state is None:
             return [
-                torch.zeros(conv_shape, dtype=layout.dtype),
-                torch.zeros(recurrent_shape, dtype=torch.float32),
+                torch.zeros((0, *conv_shape[1:]), dtype=layout.dtype),
+                torch.zeros((0, *recurrent_shape[1:]), dtype=torch.float32),
                 torch.zeros(1, dtype=torch.uint8),
             ]
         return [
