@@ -163,6 +163,7 @@ def test_unknown_workloads_and_peers_are_user_errors():
     assert parse_workloads("w1, Sweep") == ["W1", "sweep"]
     assert parse_peers("transformers") == ["transformers-naive", "transformers-cache"]
     assert parse_peers("none") == []
+    assert parse_peers("llama-server-1slot,llama-server") == ["llama-server", "llama-server-1slot"]
 
 
 def test_plan_drops_sizes_beyond_the_models_context():

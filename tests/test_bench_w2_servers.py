@@ -102,3 +102,25 @@ def test_bench_runs_w2_for_llama_server_beside_kvchat(
     assert peak["bytes"] > default_gguf_path.stat().st_size / 2
     table = (out / "bench.md").read_text().split("## W2", 1)[1].split("\n## ", 1)[0]
     assert "| llama-server |" in table
+
+
+def test_the_one_slot_llama_server_peer_serves_every_session_from_one_slot(
+    llama_server: Server, default_gguf_path: Path
+) -> None:
+    """`llama-server-1slot`: the server runs one slot, and a switch between two sessions
+    is served by it (the second session's turn and the first's follow-up both answer)."""
+    peer = LlamaServerPeer(
+        Path(llama_server.argv[0]), default_gguf_path, print, slots=1, name="llama-server-1slot"
+    )
+    try:
+        chat = peer.chat(4096)
+        assert peer.server is not None
+        assert _get(peer.server.port, "/props")["total_slots"] == 1
+        first, second = chat.new_session(), chat.new_session()
+        for session in (first, second, first):
+            result = chat.turn(session, "Name a color.", TOKENS)
+            assert result.ttft_s > 0
+    finally:
+        peer.close()
+    assert "-np 1" in peer.description and peer.name == "llama-server-1slot"
+    assert peer.peak_rss() is not None and peer.peak_rss().process == "llama-server-1slot"

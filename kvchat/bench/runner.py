@@ -57,6 +57,7 @@ PEER_NAMES = (
     "llama.cpp",
     "llama-bench",
     "llama-server",
+    "llama-server-1slot",
     "vllm",
 )
 PEER_ALIASES: dict[str, tuple[str, ...]] = {
@@ -111,17 +112,19 @@ def load_peers(
     """(chat peers, speed peers, skipped name -> reason) for the requested peer names.
 
     `servers` maps "llama-server" and "vllm" to the paths `--llama-server` and
-    `--vllm-python` gave (a serving engine is a peer only where its path is given);
+    `--vllm-python` gave (a serving engine is a peer only where its path is given; both
+    llama-server peers run the one binary);
     llama-bench comes from beside that llama-server, else from the servers cache.
     """
     chat: dict[str, object] = {}
     speed: dict[str, object] = {}
     skipped: dict[str, str] = {}
     servers = servers or {}
-    for name in ("llama-server", "vllm"):
+    for name in ("llama-server", "llama-server-1slot", "vllm"):
         if name in names:
+            path = servers.get("llama-server" if name.startswith("llama-server") else name)
             try:
-                chat[name] = _serving_peer(name, servers.get(name), model, progress)
+                chat[name] = _serving_peer(name, path, model, progress)
             except PeerUnavailable as exc:
                 skipped[name] = str(exc)
     hf_names = [n for n in names if n.startswith("transformers-")]
@@ -182,12 +185,14 @@ def _llama_bench_peer(llama_server: str | None, model):
 def _serving_peer(name: str, path: str | None, model, progress):
     from kvchat.bench.peers.serving import LlamaServerPeer, VllmPeer
 
-    flag = "--llama-server" if name == "llama-server" else "--vllm-python"
+    flag = "--llama-server" if name.startswith("llama-server") else "--vllm-python"
     if not path:
         return _raise(f"give {flag} PATH to measure it (benchmarks/servers/ builds one)")
     source = Path(str(model.source))
     if name == "llama-server":
         return LlamaServerPeer(Path(path), source, progress)
+    if name == "llama-server-1slot":
+        return LlamaServerPeer(Path(path), source, progress, slots=1, name=name)
     folder = source
     if source.suffix.lower() == ".gguf":
         from kvchat.bench.peers.hf_folder import hf_folder_of

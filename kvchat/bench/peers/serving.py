@@ -1,10 +1,10 @@
 """Serving engines as bench peers: llama-server and vLLM on 127.0.0.1, over the OpenAI API.
 
 These are what a user would run instead of kvchat: llama-server with four slots
-and its RAM prompt cache, vLLM (its CPU build) with prefix caching. The bench
-starts each one itself (`--llama-server PATH`, `--vllm-python PATH`) on a free
-port, waits until it answers, and stops it by its PID. A chat sends each
-session's whole conversation, as any OpenAI client does, and the server finds
+(or one: `llama-server-1slot`) and its RAM prompt cache, vLLM (its CPU build) with
+prefix caching. The bench starts each one itself (`--llama-server PATH`,
+`--vllm-python PATH`) on a free port, waits until it answers, and stops it by its
+PID. A chat sends each session's whole conversation, as any OpenAI client does, and the server finds
 the cached prefix; the turn's prefilled tokens are the prompt less the server's
 own `cached_tokens`. Every chat starts with nothing cached: llama-server is
 restarted (it starts in about a second), vLLM's prefix cache is reset.
@@ -208,25 +208,31 @@ class ServerChat:
 
 
 class LlamaServerPeer:
-    """llama-server with 4 slots (`-np 4`) and its RAM prompt cache (on by default);
-    for W2 with a slot per conversation."""
+    """llama-server with 4 slots (`-np 4`, what it picks by itself) and its RAM prompt
+    cache (on by default); for W2 with a slot per conversation. With `slots=1` (the
+    `llama-server-1slot` peer) the chats share one slot, as a user who starts it with
+    `-np 1` has: a switch finds the slot holding another conversation, and only the RAM
+    prompt cache can give the history back."""
 
-    name = "llama-server"
-
-    def __init__(self, binary: Path, gguf: Path, progress) -> None:
+    def __init__(
+        self, binary: Path, gguf: Path, progress, *, slots: int = 4, name: str = "llama-server"
+    ) -> None:
         if not binary.is_file():
             raise PeerUnavailable(f"no llama-server at {binary}")
         if gguf.suffix.lower() != ".gguf":
             raise PeerUnavailable("llama-server serves GGUF files; the model is not one")
         self.binary, self.gguf, self.progress = binary, gguf, progress
+        self.name, self.slots = name, slots
         self.description = (
-            f"llama-server -np 4 (RAM prompt cache on; W2: -np 8, a slot a session), {gguf.name}"
+            f"llama-server -np {slots} (RAM prompt cache on; W2: -np 8, a slot a session), "
+            f"{gguf.name}"
         )
         self.server: _Process | None = None
         self.peak_seen = 0  # the largest peak of the servers it stopped
 
-    def chat(self, capacity_tokens: int, slots: int = 4) -> ServerChat:
+    def chat(self, capacity_tokens: int, slots: int | None = None) -> ServerChat:
         self.close()  # a fresh chat: nothing cached
+        slots = self.slots if slots is None else slots
         port = _free_port()
         ctx = max(32768, slots * capacity_tokens)  # the slots share the context
         argv = [
