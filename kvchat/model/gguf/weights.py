@@ -9,9 +9,9 @@ bytes a token than all the 4-bit layers together. The q/k rows get llama.cpp's r
 permutation undone exactly as the dequantizing path does. A fused group (q/k/v,
 gate/up) whose parts come in different formats (Q4_K_M's 4-bit q and k beside a Q6_K
 v) is a `StackedLinear`, each part in its own format; a group with a part of any other
-type stays dense. Qwen3-MoE's experts, stacked in one 4-bit tensor per projection,
-become a 4-bit gate/up and down per expert (`expert_linears`), so a 4-bit MoE file
-stays 4-bit in memory.
+type stays dense. Qwen3-MoE's, Qwen3-Next's and Qwen3.5-MoE's experts, stacked in one
+4-bit tensor per projection, become a 4-bit gate/up and down per expert
+(`expert_linears`), so a 4-bit MoE file stays 4-bit in memory.
 
 Every layer goes to kvchat's own kernels (`Q4Linear`, `Q8Linear`), which compute the
 file's exact weights. In float32 (CPUs without native bf16), where torch's int kernels
@@ -57,9 +57,10 @@ _PHI3_GROUPS = {
     "self_attn.qkv_proj": (("attn_qkv", None),),
     "mlp.gate_up_proj": (("ffn_up", None),),
 }
-# Qwen3-Next's shared expert, gate and up fused as its layer multiplies them (the rest of
-# a hybrid's linear-attention layers stays dense: Qwen3.5's files reorder their heads)
-_QWEN3_NEXT_GROUPS = {
+# Qwen3-Next's and Qwen3.5-MoE's shared expert, gate and up fused as its layer multiplies
+# them (the rest of a hybrid's linear-attention layers stays dense: Qwen3.5's files reorder
+# their heads)
+_SHARED_EXPERT_GROUPS = {
     **_GROUPS,
     "mlp.shared_expert.gate_up_proj": (("ffn_gate_shexp", None), ("ffn_up_shexp", None)),
     "mlp.shared_expert.down_proj.weight": (("ffn_down_shexp", None),),
@@ -79,7 +80,11 @@ def quantized_linears(
     compact = dtype != torch.float32
     arch = gguf.metadata.get("general.architecture")
     permute = arch in PERMUTED_ARCHITECTURES
-    groups = {"phi3": _PHI3_GROUPS, "qwen3next": _QWEN3_NEXT_GROUPS}.get(str(arch), _GROUPS)
+    groups = {
+        "phi3": _PHI3_GROUPS,
+        "qwen35moe": _SHARED_EXPERT_GROUPS,
+        "qwen3next": _SHARED_EXPERT_GROUPS,
+    }.get(str(arch), _GROUPS)
     heads = {"q": config.num_heads, "k": config.num_kv_heads}
     hf_parts = {
         "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -111,7 +116,7 @@ def quantized_linears(
             runs = _runs(blocks, per_part)
             linears = [_run_linear(run, dense, dtype) for run in runs]
             out[prefix + target] = linears[0] if len(linears) == 1 else StackedLinear(linears)
-    if arch in ("qwen3moe", "qwen3next"):
+    if arch in ("qwen3moe", "qwen35moe", "qwen3next"):
         out.update(expert_linears(gguf, config, dtype))
     head = gguf.tensors.get("output.weight") or gguf.tensors.get("token_embd.weight")
     if head is not None and head.ggml_type in EIGHT_BIT:
