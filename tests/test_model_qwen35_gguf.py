@@ -22,7 +22,7 @@ import torch
 
 from kvchat.model.config import ModelConfig
 from kvchat.model.loader import load_model
-from tests.llama_cpp_convert import ConverterUnavailable, convert, requantize
+from tests.llama_cpp_convert import ConverterUnavailable, convert, llama_quantize, requantize
 from tests.parity_helpers import kvchat_logits, rel_err
 
 pytestmark = pytest.mark.real_model
@@ -196,9 +196,11 @@ def test_a_4_bit_gguf_keeps_its_layers_4_bit_and_gives_the_dequantized_logits(
 ) -> None:
     """The f32 file's matrices in Q4_0 (as llama-quantize makes them; the convolution
     kernels stay f32; the MoE models' experts Q4_0 too): the full-attention layers' q/k/v
-    and o, Qwen3.5's gate/up, the MoE models' experts and shared gate/up multiply through
-    kvchat's 4-bit kernels, the rest is dequantized, and the logits are those of the same
-    file's weights all dequantized."""
+    and o, Qwen3.5's gate/up, the MoE models' experts and shared gate/up, the Gated
+    DeltaNet's fused in_proj and Qwen3-Next's out_proj multiply through kvchat's 4-bit
+    kernels, the rest is dequantized, and the logits are those of the same file's weights
+    all dequantized. (Qwen3.5's out_proj stays dense here: its value heads, reordered by
+    the converter, are 16 columns, half a Q4_0 block; wider heads: below.)"""
     family, _, f32 = hybrid_gguf
     experts = "Q4_0" if family in WITH_EXPERTS else None
     q4 = requantize(f32, tmp_path / f"{family}-q4_0.gguf", experts=experts)
@@ -207,6 +209,10 @@ def test_a_4_bit_gguf_keeps_its_layers_4_bit_and_gives_the_dequantized_logits(
     layer = native.transformer.layers[1]
     assert "Q4" in type(layer.qkv).__name__ and "Q4" in type(layer.gate_up).__name__
     assert "Q4" not in type(dense.transformer.layers[1].qkv).__name__
+    delta_net = native.transformer.layers[0].delta_net
+    assert "Q4" in type(delta_net.in_proj).__name__
+    assert ("Q4" in type(delta_net.out_proj).__name__) == (family == "qwen3_next")
+    assert "Q4" not in type(dense.transformer.layers[0].delta_net.in_proj).__name__
     if family in WITH_EXPERTS:  # each expert's, and the shared one's gate/up
         gate_up, down = layer.experts.linears[0]
         assert "Q4" in type(gate_up).__name__ and "Q4" in type(down).__name__
@@ -283,3 +289,105 @@ def test_llama_server_writes_the_same_greedy_tokens_from_the_same_file(hybrid_gg
 
     family, _, gguf = hybrid_gguf
     assert_llama_server_writes_kvchats_tokens(gguf, family)
+
+
+# Qwen3.5's Gated DeltaNet at widths llama-quantize's K-quants take (rows of 256) and with
+# value heads of 128 columns, as Qwen3.5's: out_proj's reordered heads are whole blocks
+WIDE = dict(hidden_size=256, intermediate_size=256, linear_value_head_dim=128)
+
+
+@pytest.fixture(scope="module")
+def wide_qwen35_gguf(tmp_path_factory, default_tokenizer):
+    """(the folder, llama.cpp's f32 GGUF of it) for a Qwen3.5 of `WIDE`'s widths."""
+    root = tmp_path_factory.mktemp("qwen35-wide")
+    folder = tiny_folder(root / "hf", "qwen3_5_text", default_tokenizer, **WIDE)
+    return folder, converted(folder, root / "wide-f32.gguf")
+
+
+def dequantized(linear) -> torch.Tensor:
+    """The float32 weight a layer multiplies by, its parts (a `StackedLinear`'s) stacked."""
+    from kvchat.model.linear import DenseLinear, StackedLinear
+
+    if isinstance(linear, StackedLinear):
+        return torch.cat([dequantized(part) for part in linear.parts])
+    if isinstance(linear, DenseLinear):
+        return linear.weight.float()
+    return linear.dequantized().float()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K_M"])
+def test_llama_quantizes_4_bit_gated_deltanet_stays_quantized_with_its_heads_in_order(
+    wide_qwen35_gguf, tmp_path, qtype: str
+) -> None:
+    """llama-quantize's own Q4_0 and Q4_K_M files: each Gated DeltaNet layer's in_proj
+    (q/k/v, z, b, a) and out_proj are built from the file's blocks, in float32 and in bf16
+    (where Q4_K keeps its super-scales, multiplied out for out_proj's columns), and
+    multiply by exactly the file's weights in the checkpoint's order, value heads grouped
+    again (the converted dense weights); the logits are the dequantized file's."""
+    from kvchat.model.config import ModelConfig
+    from kvchat.model.gguf.convert import gguf_state_dict, gguf_to_hf_config
+    from kvchat.model.gguf.file import GGUFFile
+    from kvchat.model.gguf.weights import quantized_linears
+    from kvchat.model.linear import DenseLinear
+
+    _, f32 = wide_qwen35_gguf
+    try:
+        path = llama_quantize(f32, tmp_path / f"wide-{qtype}.gguf", qtype)
+    except ConverterUnavailable as exc:
+        pytest.skip(f"llama-quantize is not built here: {exc}")
+    file = GGUFFile.open(path)
+    config = ModelConfig.from_dict(gguf_to_hf_config(file))
+    exact = dict(gguf_state_dict(file, torch.float32))
+    linear_layers = [i for i in range(config.num_layers) if config.layer_is_linear(i)]
+    for dtype in (torch.float32, torch.bfloat16):
+        built = quantized_linears(file, config, dtype, dict(gguf_state_dict(file, dtype)))
+        for i in linear_layers:
+            prefix = f"model.layers.{i}.linear_attn."
+            in_proj, out_proj = built[prefix + "in_proj"], built[prefix + "out_proj"]
+            assert not isinstance(out_proj, DenseLinear)
+            parts = [exact[f"{prefix}in_proj_{p}.weight"] for p in ("qkv", "z", "b", "a")]
+            torch.testing.assert_close(dequantized(in_proj), torch.cat(parts), rtol=0, atol=0)
+            want = exact[prefix + "out_proj.weight"]
+            torch.testing.assert_close(dequantized(out_proj), want, rtol=0, atol=0)
+    native = load_model(str(path), dtype="float32", device="cpu", weights="native")
+    dense = load_model(str(path), dtype="float32", device="cpu", weights="bf16")
+    delta_net = native.transformer.layers[0].delta_net
+    assert not isinstance(delta_net.in_proj, DenseLinear)
+    assert not isinstance(delta_net.out_proj, DenseLinear)
+    ids = torch.randint(
+        0, native.config.vocab_size, (48,), generator=torch.Generator().manual_seed(4)
+    )
+    error = rel_err(
+        kvchat_logits(native, ids.tolist(), paged=True),
+        kvchat_logits(dense, ids.tolist(), paged=True),
+    )
+    assert error < 1e-4, error
+
+
+def test_a_4_bit_gated_deltanet_with_dense_b_and_a_keeps_them_beside(hybrid_gguf, tmp_path):
+    """A file whose DeltaNet b and a (`ssm_beta` / `ssm_alpha`, Qwen3-Next's `ssm_ba`)
+    stay f32 beside 4-bit q/k/v and z: the fused in_proj is the 4-bit part and a dense
+    one side by side, as built and as read back from the prepared-layers cache, and the
+    logits are the dequantized file's."""
+    from kvchat.model.linear import DenseLinear, StackedLinear
+    from kvchat.model.loader import NATIVE_CACHE_VERSION
+    from kvchat.model.quantized_linear import Q4Linear
+
+    family, _, f32 = hybrid_gguf
+    small = ("ssm_beta", "ssm_alpha", "ssm_ba")
+    q4 = requantize(f32, tmp_path / f"{family}-dense-ba.gguf", keep=small)
+    built, cached = (
+        load_model(str(q4), dtype="float32", device="cpu", weights="native") for _ in range(2)
+    )
+    assert (built.folder / f"native-q4-v{NATIVE_CACHE_VERSION}-float32.safetensors").exists()
+    dense = load_model(str(q4), dtype="float32", device="cpu", weights="bf16")
+    ids = torch.randint(
+        0, dense.config.vocab_size, (48,), generator=torch.Generator().manual_seed(4)
+    )
+    want = kvchat_logits(dense, ids.tolist(), paged=True)
+    for model in (built, cached):
+        in_proj = model.transformer.layers[0].delta_net.in_proj
+        assert isinstance(in_proj, StackedLinear)
+        assert [type(part) for part in in_proj.parts] == [Q4Linear, DenseLinear]
+        error = rel_err(kvchat_logits(model, ids.tolist(), paged=True), want)
+        assert error < 1e-4, error

@@ -582,6 +582,16 @@ def gguf_state_dict(gguf: GGUFFile, dtype: torch.dtype) -> Iterator[tuple[str, t
         yield hf_name, weight.to(dtype)
 
 
+def grouped_order(k_heads: int, v_heads: int, head_dim: int) -> torch.Tensor:
+    """The inverse of llama.cpp's `_reorder_v_heads` (Qwen3.5's value heads) as an index:
+    entry j of the grouped order ([K0: v0 v1 | K1: v0 v1], as the checkpoint holds them)
+    is the position in the file's tiled order ([v0: K0 K1 | v1: K0 K1]) of the row or
+    column the checkpoint has at j, `head_dim` of them a head."""
+    per_k = v_heads // k_heads
+    tiled = torch.arange(v_heads * head_dim).view(per_k, k_heads, head_dim)
+    return tiled.transpose(0, 1).reshape(-1)
+
+
 class _HybridTensors:
     """Qwen3.5's (dense and MoE) and Qwen3-Next's tensors back as their Hugging Face
     checkpoints hold them (but the experts, which go one each as Qwen3-MoE's), undoing
@@ -613,10 +623,7 @@ class _HybridTensors:
         """The inverse of the converter's `_reorder_v_heads` along `dim`."""
         if not self.reordered:
             return w
-        per_k = self.v_heads // self.k_heads
-        shape = list(w.shape)
-        tiled = [*shape[:dim], per_k, self.k_heads, head_dim, *shape[dim + 1 :]]
-        return w.reshape(tiled).transpose(dim, dim + 1).reshape(shape)
+        return w.index_select(dim, grouped_order(self.k_heads, self.v_heads, head_dim))
 
     def restore(
         self, hf_name: str, w: torch.Tensor, dtype: torch.dtype
