@@ -139,15 +139,20 @@ KEPT = (*FOUR_BIT, *EIGHT_BIT)
 
 
 def _unpack(gguf: GGUFFile, info, compact: bool) -> tuple[tuple, tuple[torch.Tensor, ...]]:
+    """`unpacked` for a tensor of the file."""
+    return unpacked(gguf.raw(info.name), info.ggml_type, info.shape, compact)
+
+
+def unpacked(raw, ggml_type: GGMLType, shape, compact: bool) -> tuple[tuple, tuple]:
     """(form, blocks): a 4-bit matrix's (codes, scales, offsets) or an 8-bit one's
     (codes, scales), K-quants' with their super-scales after (their file's bytes) when
     `compact`; the form tells which parts fuse into one matrix (same layer class, same
     tensors)."""
-    if info.ggml_type in FOUR_BIT:
-        b = unpack_q4(gguf.raw(info.name), info.ggml_type, info.shape, compact=compact)
+    if ggml_type in FOUR_BIT:
+        b = unpack_q4(raw, ggml_type, shape, compact=compact)
         supers = () if b.scale_supers is None else (b.scale_supers, b.offset_supers)
         return (4, len(supers)), (b.codes, b.scales, b.offsets, *supers)
-    b8 = unpack_int8(gguf.raw(info.name), info.ggml_type, info.shape, compact=compact)
+    b8 = unpack_int8(raw, ggml_type, shape, compact=compact)
     supers = () if b8.scale_supers is None else (b8.scale_supers,)
     return (8, b8.group, len(supers)), (b8.codes, b8.scales, *supers)
 
@@ -176,11 +181,11 @@ def _run_linear(run: tuple[list[tuple], list[str]], dense, dtype: torch.dtype) -
     dense_copy = None
     if dtype != torch.float32 and dense is not None and all(n in dense for n in names):
         dense_copy = torch.cat([dense[n] for n in names]) if len(names) > 1 else dense[names[0]]
-    return _fused(blocks, bias, dense_copy)
+    return kernel_linear(blocks, bias, dense_copy)
 
 
-def _fused(blocks: list[tuple], bias, dense_copy) -> Linear:
-    """One matrix of parts unpacked alike (`_unpack`), in its kernel's layer."""
+def kernel_linear(blocks: list[tuple], bias=None, dense_copy=None) -> Linear:
+    """One matrix of parts unpacked alike (`unpacked`), in its kernel's layer."""
     if blocks[0][0].dtype == torch.int8:
         return Q8Linear.fused(blocks, bias=bias, dense=dense_copy)
     return Q4Linear.fused(blocks, bias=bias, dense=dense_copy)
@@ -274,9 +279,9 @@ def delta_net_linears(
             continue
         _, blocks = _unpack(gguf, info, compact)
         if v_rows is not None:
-            blocks = _columns_in_order(blocks, v_rows)
+            blocks = columns_in_order(blocks, v_rows)
         if blocks is not None:
-            out[prefix + "out_proj"] = _fused(
+            out[prefix + "out_proj"] = kernel_linear(
                 [blocks], None, dense.get(prefix + "out_proj.weight") if compact else None
             )
     return out
@@ -330,12 +335,12 @@ def _delta_net_in_proj(
             assert weight is not None
             linears.append(DenseLinear(weight))
         else:
-            linears.append(_fused(blocks, None, weight))
+            linears.append(kernel_linear(blocks, None, weight))
     return linears[0] if len(linears) == 1 else StackedLinear(linears)
 
 
-def _columns_in_order(blocks: tuple, columns: torch.Tensor) -> tuple | None:
-    """A matrix's unpacked blocks (`_unpack`) with its columns taken in `columns`' order,
+def columns_in_order(blocks: tuple, columns: torch.Tensor) -> tuple | None:
+    """A matrix's unpacked blocks (`unpacked`) with its columns taken in `columns`' order,
     where that moves whole scale groups only; None where it would split one. K-quants'
     super-scales are multiplied into their groups' scales first."""
     codes, *scales = blocks
