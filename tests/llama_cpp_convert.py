@@ -15,7 +15,7 @@ from kvchat.bench import llama_cpp_tools
 from kvchat.bench.llama_cpp_tools import ConverterUnavailable
 from tests.shared_cache import TEST_CACHE
 
-__all__ = ["ConverterUnavailable", "convert", "converter", "requantize"]
+__all__ = ["ConverterUnavailable", "convert", "converter", "llama_quantize", "requantize"]
 
 
 def converter() -> Path:
@@ -32,11 +32,29 @@ def convert(
     return llama_cpp_tools.convert(hf_folder, out, outtype, TEST_CACHE, options)
 
 
+def llama_quantize(source: Path, out: Path, qtype: str) -> Path:
+    """`source` (a converter's f32 GGUF) as llama-quantize makes a `qtype` (Q4_0, Q4_K_M)
+    file of it, its own choice of type for each tensor; `ConverterUnavailable` where no
+    llama-server build holds llama-quantize."""
+    from kvchat.errors import KvchatError
+
+    try:
+        binary = llama_cpp_tools.find_quantize()
+    except KvchatError as exc:
+        raise ConverterUnavailable(str(exc)) from exc
+    return llama_cpp_tools.quantize(source, out, qtype, binary)
+
+
 def requantize(
-    source: Path, out: Path, qtype: str | None = "Q4_0", experts: str | None = None
+    source: Path,
+    out: Path,
+    qtype: str | None = "Q4_0",
+    experts: str | None = None,
+    keep: tuple[str, ...] = (),
 ) -> Path:
     """`source` (a converter's f32 GGUF) with its layers' matrices in `qtype` and its
-    stacked experts (`*_exps.weight`) in `experts` (None: as they are), the rest as it is:
+    stacked experts (`*_exps.weight`) in `experts` (None: as they are), but those named
+    `blk.{i}.{kept}.weight` for a `kept` in `keep`, the rest as it is:
     what `llama-quantize` makes of the layers, which the llama-server build leaves out
     (gpt-oss's files hold their experts in MXFP4). Metadata is copied field by field; the
     matrices are quantized by gguf-py's own reference code."""
@@ -59,7 +77,10 @@ def requantize(
         # as llama-quantize, rows of a length no block divides stay as they are (a Gated
         # DeltaNet's 4-wide convolution kernel)
         layer_matrix = (
-            tensor.name.startswith("blk.") and data.dtype == np.float32 and data.shape[-1] % 32 == 0
+            tensor.name.startswith("blk.")
+            and data.dtype == np.float32
+            and data.shape[-1] % 32 == 0
+            and tensor.name.split(".")[2] not in keep
         )
         if kind is not None and layer_matrix and data.ndim == 2:
             writer.add_tensor(tensor.name, gguf.quants.quantize(data, kind), raw_dtype=kind)

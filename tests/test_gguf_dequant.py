@@ -136,3 +136,32 @@ def test_unpack_q4_codes_scales_offsets_rebuild_the_dequantized_weight(ggml_type
     rebuilt = parts.codes.float() * parts.scales.repeat_interleave(32, dim=1)
     rebuilt = rebuilt + parts.offsets.repeat_interleave(32, dim=1)
     torch.testing.assert_close(rebuilt, dequantize(raw, ggml_type, (rows, cols)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["float32", "compact"])
+@pytest.mark.parametrize(
+    "ggml_type",
+    [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q4_K, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q6_K],
+    ids=lambda t: t.name,
+)
+@pytest.mark.parametrize("head_dim", [128, 16])
+def test_value_heads_reordered_on_a_matrixs_blocks_are_its_columns_in_that_order(
+    ggml_type: GGMLType, compact: bool, head_dim: int
+) -> None:
+    """Qwen3.5's out_proj columns put back in grouped order on the blocks (K-quants'
+    super-scales multiplied out first): the layer's weight is the dequantized matrix's
+    columns in that order exactly; a head narrower than a scale group is refused."""
+    from kvchat.model.gguf.convert import grouped_order
+    from kvchat.model.gguf.weights import columns_in_order, kernel_linear, unpacked
+
+    rows, cols = 3, 512
+    raw = random_tensor_bytes(ggml_type, rows, cols, seed=5)
+    order = grouped_order(2, cols // head_dim, head_dim)  # 2 key heads, 4 or 32 value heads
+    _, blocks = unpacked(raw, ggml_type, (rows, cols), compact)
+    moved = columns_in_order(blocks, order)
+    group = 16 if ggml_type == GGMLType.Q6_K else 32
+    assert (moved is None) == (head_dim % group != 0)
+    if moved is not None:
+        want = dequantize(raw, ggml_type, (rows, cols))[:, order]
+        got = kernel_linear([moved]).dequantized()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -83,11 +83,12 @@ def converter(cache: Path) -> Path:
 
 
 # The converter, run as its own script once transformers is told to keep the tokenizer
-# class a qwen2 folder declares (see `convert`).
+# class a qwen2 or Qwen3.5-MoE folder declares (see `convert`).
 _CONVERT = """
 import runpy, sys
 from transformers.models.auto import tokenization_auto
-getattr(tokenization_auto, "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS", set()).discard("qwen2")
+for kind in ("qwen2", "qwen3_5_moe_text"):
+    getattr(tokenization_auto, "MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS", set()).discard(kind)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -104,9 +105,10 @@ def convert(
     hash of what `AutoTokenizer` makes of the folder. For a few model types transformers
     overrides the declared class with its own; for qwen2 that is `Qwen2Tokenizer`, which
     rebuilds the tokenizer with Qwen's pre-tokenizer: SmolLM2's vocabulary split Qwen's way
-    hashes to nothing the converter knows, and it refuses the folder. The converter, as it
-    is, therefore runs with qwen2 off transformers' list of overridden types, so a qwen2
-    folder is read with its own class, as llama, qwen3 and gemma3 folders already are.
+    hashes to nothing the converter knows, and it refuses the folder; so for Qwen3.5-MoE's
+    `qwen3_5_moe_text`. The converter, as it is, therefore runs with those two off
+    transformers' list of overridden types, so their folders are read with their own
+    class, as llama, qwen3, gemma3 and dense Qwen3.5 folders already are.
     """
     folder = converter(cache)
     env = {**os.environ, "PYTHONPATH": f"{folder / 'gguf-py'}{os.pathsep}{folder}"}

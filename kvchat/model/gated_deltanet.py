@@ -75,7 +75,7 @@ class DeltaNetState:
         )
 
 
-def _split_qwen3_next(
+def split_qwen3_next(
     shape: DeltaNetShape, qkvz: torch.Tensor, ba: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Qwen3-Next's fused `in_proj_qkvz` and `in_proj_ba` as Qwen3.5's four projections.
@@ -103,21 +103,36 @@ class GatedDeltaNet:
         prefix (`model.layers.{i}.`) taken off, as `transformer.Layer` receives them:
         `linear_attn.in_proj_qkv.weight`, `..._z`, `..._b`, `..._a` (Qwen3.5), or
         `linear_attn.in_proj_qkvz.weight` and `..._ba` (Qwen3-Next); `conv1d.weight`,
-        `dt_bias`, `A_log`, `norm.weight`, `out_proj.weight`."""
+        `dt_bias`, `A_log`, `norm.weight`, `out_proj.weight`. A quantized file's layers
+        come built (`gguf.weights.delta_net_linears`): `linear_attn.in_proj` (the four
+        projections fused, in this order) and `linear_attn.out_proj` take the place of
+        the dense ones."""
         s = self.shape = shape
         w = {k.removeprefix("linear_attn."): v for k, v in weights.items()}
-        if "in_proj_qkvz.weight" in w:
-            qkv, z, b, a = _split_qwen3_next(s, w["in_proj_qkvz.weight"], w["in_proj_ba.weight"])
+        built = w.get("in_proj")
+        if built is not None:
+            self.in_proj: Linear = built
         else:
-            qkv, z, b, a = (w[f"in_proj_{p}.weight"] for p in ("qkv", "z", "b", "a"))
-        # one matmul for the four projections of the same input, as kvchat fuses q/k/v
-        self.in_proj: Linear = make_linear([qkv, z, b, a])  # [conv_dim + value_dim + 2 Hv, hidden]
+            if "in_proj_qkvz.weight" in w:
+                qkv, z, b, a = split_qwen3_next(s, w["in_proj_qkvz.weight"], w["in_proj_ba.weight"])
+            else:
+                qkv, z, b, a = (w[f"in_proj_{p}.weight"] for p in ("qkv", "z", "b", "a"))
+            # one matmul for the four projections of the same input, as kvchat fuses q/k/v
+            self.in_proj = make_linear([qkv, z, b, a])  # [conv_dim + value_dim + 2 Hv, hidden]
+        projected = s.conv_dim + s.value_dim + 2 * s.num_v_heads
+        if (self.in_proj.out_features, self.in_proj.in_features) != (projected, s.hidden_size):
+            raise ModelLoadError(
+                f"the Gated DeltaNet's projections make {self.in_proj.out_features} rows of "
+                f"{self.in_proj.in_features} where the config makes {projected} of "
+                f"{s.hidden_size}; the model's files disagree with its config."
+            )
         self.conv_weight = w["conv1d.weight"]  # [conv_dim, 1, K]: depthwise, no bias
         self.dt_bias = w["dt_bias"]  # [Hv]
         # [Hv]: -A, in float32 as transformers takes it (exp of A_log may overflow fp16)
         self.decay_rate = -w["A_log"].float().exp()
         self.norm = w["norm.weight"]  # [Dv]: a plain weight (not 1 + w as the decoder's norms)
-        self.out_proj: Linear = make_linear([w["out_proj.weight"]])  # [hidden, value_dim]
+        # [hidden, value_dim]
+        self.out_proj: Linear = w.get("out_proj") or make_linear([w["out_proj.weight"]])
         if self.conv_weight.shape != (s.conv_dim, 1, s.conv_kernel):
             raise ModelLoadError(
                 f"conv1d.weight is {tuple(self.conv_weight.shape)} where the config makes "

@@ -200,6 +200,15 @@ class DenseLinear:
     def packed_from_rows(self) -> int | None:
         return 1 if self.packed is not None or packable(self.weight) else None
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors to cache (before `prepack`): a dense part of a `StackedLinear`."""
+        assert self.weight is not None, "cached before packing"
+        return {"weight": self.weight} | ({} if self.bias is None else {"bias": self.bias})
+
+    @classmethod
+    def from_state(cls, state: dict[str, torch.Tensor]) -> DenseLinear:
+        return cls(state["weight"], state.get("bias"))
+
     @classmethod
     def fused(
         cls, weights: list[torch.Tensor], biases: list[torch.Tensor] | None = None
@@ -211,7 +220,8 @@ class DenseLinear:
 class StackedLinear:
     """Projections of one input kept in different formats, their outputs side by side:
     a Q4_K_M file keeps q and k 4-bit and v in Q6_K, and the model still sees one fused
-    q/k/v layer, each part multiplied by its own format's kernel."""
+    q/k/v layer, each part multiplied by its own format's kernel (a part may be dense: a
+    Gated DeltaNet's small b and a beside its quantized q/k/v and z)."""
 
     __slots__ = ("in_features", "out_features", "parts")
 

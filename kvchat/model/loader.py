@@ -31,7 +31,9 @@ from kvchat.paths import app_paths
 
 Progress = Callable[[str], None]
 CONVERSION_VERSION = 1  # bump when the converted folder's layout changes
-NATIVE_CACHE_VERSION = 9  # bump when the prepared layers change (9: K-quants' own scales in bf16)
+# bump when the prepared layers change (9: K-quants' own scales in bf16; 10: the Gated
+# DeltaNet's projections)
+NATIVE_CACHE_VERSION = 10
 
 
 @dataclass

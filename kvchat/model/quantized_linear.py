@@ -24,7 +24,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvchat.model.linear import Linear, StackedLinear, pack_weight, packable, packed_linear
+from kvchat.model.linear import (
+    DenseLinear,
+    Linear,
+    StackedLinear,
+    pack_weight,
+    packable,
+    packed_linear,
+)
 from kvchat.native import build as native_build
 
 GROUP_SIZE = 32
@@ -365,7 +372,14 @@ class Q8Linear(_KernelLinear):
         return cls(*(torch.cat([p[i] for p in parts], dim=0) for i in range(len(parts[0]))), **kw)
 
 
-_KINDS = {"int4": Int4Linear, "int8": Int8Linear, "q4": Q4Linear, "q8": Q8Linear}
+# "dense": a dense part of a `StackedLinear`
+_KINDS = {
+    "int4": Int4Linear,
+    "int8": Int8Linear,
+    "q4": Q4Linear,
+    "q8": Q8Linear,
+    "dense": DenseLinear,
+}
 _PART = "#"  # a stacked layer's parts are saved as "{name}#{index}"
 
 

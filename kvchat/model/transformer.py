@@ -386,7 +386,7 @@ def _missing_weights(config: ModelConfig, weights: dict) -> list[str]:
             "mlp.shared_expert_gate.weight",
             *(f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")),
         )
-    # Qwen3-Next fuses q/k/v/z and b/a (`gated_deltanet._split_qwen3_next`)
+    # Qwen3-Next fuses q/k/v/z and b/a (`gated_deltanet.split_qwen3_next`)
     projections = ("qkvz", "ba") if config.model_type == "qwen3_next" else ("qkv", "z", "b", "a")
     linear = (
         "input_layernorm.weight",

@@ -20,10 +20,13 @@ Gemma by 1 + w): subtracted here. Its files say the window and both rotary bases
 which layers are windowed, nor the query scale: llama.cpp fixes both (five windowed layers
 to one global; head_dim, or hidden / heads for the 62-layer 27B), and so does this module.
 
-The hybrids, `qwen35` (Qwen3.5, text) and `qwen3next` (Qwen3-Next), take the most undoing:
-norms with 1 added, A as -exp(A_log), Qwen3.5's value heads reordered and Qwen3-Next's
-q/k/v/z projection split (`_HybridTensors`); their multi-token-prediction blocks, appended
-to the layers by the converter, are skipped (`decoder_layers`).
+The hybrids, `qwen35` (Qwen3.5, text), `qwen35moe` (Qwen3.5-MoE, text) and `qwen3next`
+(Qwen3-Next), take the most undoing: norms with 1 added, A as -exp(A_log), Qwen3.5's value
+heads reordered and Qwen3-Next's q/k/v/z projection split (`_HybridTensors`); their
+multi-token-prediction blocks, appended to the layers by the converter, are skipped
+(`decoder_layers`). Qwen3.5-MoE's layers are Qwen3.5's with Qwen3-Next's feed-forward:
+experts stacked as Qwen3-MoE's (`ffn_*_exps`, the converter splitting the checkpoint's
+fused gate/up), a shared expert (`ffn_*_shexp`) and its gate (`ffn_gate_inp_shexp`).
 """
 
 from __future__ import annotations
@@ -40,11 +43,14 @@ from kvchat.model.gguf.dequant import dequantize
 from kvchat.model.gguf.file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = (
-    "gemma3", "gpt-oss", "llama", "mistral3", "phi3", "qwen2", "qwen3", "qwen35", "qwen3moe",
-    "qwen3next", "smollm3",
+    "gemma3", "gpt-oss", "llama", "mistral3", "phi3", "qwen2", "qwen3", "qwen35", "qwen35moe",
+    "qwen3moe", "qwen3next", "smollm3",
 )  # fmt: skip
-# Qwen3.5 (text) and Qwen3-Next: Gated DeltaNet layers beside gated full attention
-HYBRID_ARCHITECTURES = ("qwen35", "qwen3next")
+# Qwen3.5 (text), Qwen3.5-MoE (text) and Qwen3-Next: Gated DeltaNet layers beside gated
+# full attention
+HYBRID_ARCHITECTURES = ("qwen35", "qwen35moe", "qwen3next")
+# the hybrids with experts and a shared expert in every layer
+HYBRID_MOE_ARCHITECTURES = ("qwen35moe", "qwen3next")
 # the architectures whose q/k rows llama.cpp's converter permutes (`llama_cpp_permute`)
 PERMUTED_ARCHITECTURES = ("llama", "mistral3", "smollm3")
 # llama.cpp runs SmolLM3 with rotary left out of every fourth layer; the file does not say
@@ -65,6 +71,7 @@ _HF_ARCH = {
     "mistral3": ("ministral3", "Ministral3ForCausalLM"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
     "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+    "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
     "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
 }
 
@@ -124,9 +131,9 @@ _ARCH_LAYER_NAMES = {
         },
     },
 }
-# Qwen3.5 and Qwen3-Next: the linear-attention layers' tensors (llama.cpp's `ssm_*`; the
-# converter's `attn_qkv` / `attn_gate` are the Gated DeltaNet's q/k/v and z projections),
-# the norm after attention, Qwen3-Next's shared expert and its gate
+# Qwen3.5, Qwen3.5-MoE and Qwen3-Next: the linear-attention layers' tensors (llama.cpp's
+# `ssm_*`; the converter's `attn_qkv` / `attn_gate` are the Gated DeltaNet's q/k/v and z
+# projections), the norm after attention, the MoE models' shared expert and its gate
 _HYBRID_LAYER_NAMES = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
@@ -145,7 +152,7 @@ _HYBRID_LAYER_NAMES = {
     },
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
-_ARCH_LAYER_NAMES["qwen35"] = _ARCH_LAYER_NAMES["qwen3next"] = _HYBRID_LAYER_NAMES
+_ARCH_LAYER_NAMES.update(dict.fromkeys(HYBRID_ARCHITECTURES, _HYBRID_LAYER_NAMES))
 # llama.cpp's gpt-oss: every other layer windowed, from the first (the file does not say)
 GPT_OSS_SLIDING_PATTERN = 2
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -156,18 +163,12 @@ _CONFIG_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factor
 def check_architecture(metadata: dict[str, object]) -> str:
     """`general.architecture` if kvchat runs it, else a `ModelLoadError`."""
     arch = metadata.get("general.architecture")
-    if arch == "qwen35moe":
-        raise ModelLoadError(
-            "this GGUF is Qwen3.5's mixture-of-experts model (llama.cpp's qwen35moe), which "
-            "kvchat does not read from GGUF yet; use its Hugging Face folder, or a GGUF of the "
-            "dense Qwen3.5 (qwen35) or of Qwen3-Next (qwen3next)."
-        )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported architecture {arch}; kvchat runs GGUFs of the gemma3 (text), llama "
             "(Llama, Mistral, SmolLM2), mistral3 (Ministral 3), phi3 (Phi-3, Phi-4-mini), "
-            "qwen2, qwen3, qwen35 (Qwen3.5, text), qwen3moe, qwen3next (Qwen3-Next) and smollm3 "
-            "architectures. Choose a GGUF of one of those."
+            "qwen2, qwen3, qwen35 (Qwen3.5, text), qwen35moe (Qwen3.5-MoE, text), qwen3moe, "
+            "qwen3next (Qwen3-Next) and smollm3 architectures. Choose a GGUF of one of those."
         )
     return str(arch)
 
@@ -215,11 +216,17 @@ def gguf_to_hf_config(gguf: GGUFFile) -> dict[str, object]:
     if vocab_size is None:
         raise ModelLoadError("the GGUF says nothing of its vocabulary size; the file is corrupt.")
 
+    # Qwen3.5-MoE has no dense feed-forward: its files, like its config, give no size
+    dense_ff = (
+        md.get(f"{arch}.feed_forward_length") or 0
+        if arch == "qwen35moe"
+        else _required(md, f"{arch}.feed_forward_length")
+    )
     config: dict[str, object] = {
         "model_type": model_type,
         "architectures": [hf_class],
         "hidden_size": hidden,
-        "intermediate_size": int(_required(md, f"{arch}.feed_forward_length")),  # type: ignore[arg-type]
+        "intermediate_size": int(dense_ff),  # type: ignore[call-overload]
         "num_hidden_layers": decoder_layers(md, arch),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv_heads,
@@ -282,12 +289,13 @@ def decoder_layers(md: dict[str, object], arch: str) -> int:
 
 
 def _hybrid(gguf: GGUFFile, arch: str, config: dict[str, object]) -> dict[str, object]:
-    """Qwen3.5's and Qwen3-Next's fields: each layer's kind from the file's
+    """Qwen3.5's, Qwen3.5-MoE's and Qwen3-Next's fields: each layer's kind from the file's
     `attention.recurrent_layers` (else every `full_attention_interval`-th layer attends),
     the Gated DeltaNet's sizes from the `ssm.*` keys as the converter writes them (state
     size: key head size; group count: key heads; time-step rank: value heads; inner
-    size: all value heads' width), Qwen3-Next's experts (every layer sparse: llama.cpp's
-    converter refuses dense ones)."""
+    size: all value heads' width), the MoE models' experts and shared expert (every layer
+    sparse: Qwen3.5-MoE has no other kind, and llama.cpp's converter refuses Qwen3-Next's
+    dense ones)."""
     md = gguf.metadata
     layers = int(config["num_hidden_layers"])  # type: ignore[call-overload]
     recurrent = md.get(f"{arch}.attention.recurrent_layers")
@@ -310,7 +318,7 @@ def _hybrid(gguf: GGUFFile, arch: str, config: dict[str, object]) -> dict[str, o
         "linear_num_value_heads": v_heads,
         "linear_value_head_dim": int(_required(md, f"{arch}.ssm.inner_size")) // v_heads,  # type: ignore[call-overload]
     }
-    if arch == "qwen3next":
+    if arch in HYBRID_MOE_ARCHITECTURES:
         fields.update(_experts(gguf, arch, layers))
         fields["shared_expert_intermediate_size"] = int(
             md.get(f"{arch}.expert_shared_feed_forward_length") or 0  # type: ignore[call-overload]
@@ -363,9 +371,9 @@ def _gpt_oss(md: dict[str, object], arch: str, config: dict[str, object]) -> dic
 
 
 def _experts(gguf: GGUFFile, arch: str, layers: int) -> dict[str, object]:
-    """Qwen3-MoE's expert fields. llama.cpp always renormalizes the chosen experts'
-    weights for this architecture (the file has no key for it), and which layers are
-    dense shows in the tensors: those without a router."""
+    """Qwen3-MoE's expert fields, and the MoE hybrids'. llama.cpp always renormalizes the
+    chosen experts' weights for these architectures (the file has no key for it), and which
+    layers are dense shows in the tensors: those without a router."""
     md = gguf.metadata
     return {
         "num_experts": int(_required(md, f"{arch}.expert_count")),  # type: ignore[call-overload]
@@ -574,10 +582,21 @@ def gguf_state_dict(gguf: GGUFFile, dtype: torch.dtype) -> Iterator[tuple[str, t
         yield hf_name, weight.to(dtype)
 
 
+def grouped_order(k_heads: int, v_heads: int, head_dim: int) -> torch.Tensor:
+    """The inverse of llama.cpp's `_reorder_v_heads` (Qwen3.5's value heads) as an index:
+    entry j of the grouped order ([K0: v0 v1 | K1: v0 v1], as the checkpoint holds them)
+    is the position in the file's tiled order ([v0: K0 K1 | v1: K0 K1]) of the row or
+    column the checkpoint has at j, `head_dim` of them a head."""
+    per_k = v_heads // k_heads
+    tiled = torch.arange(v_heads * head_dim).view(per_k, k_heads, head_dim)
+    return tiled.transpose(0, 1).reshape(-1)
+
+
 class _HybridTensors:
-    """Qwen3.5's and Qwen3-Next's tensors back as their Hugging Face checkpoints hold them,
-    undoing each change llama.cpp's converter (`Qwen3NextModel`,
-    `_LinearAttentionVReorderBase` in its conversion/qwen.py) makes:
+    """Qwen3.5's (dense and MoE) and Qwen3-Next's tensors back as their Hugging Face
+    checkpoints hold them (but the experts, which go one each as Qwen3-MoE's), undoing
+    each change llama.cpp's converter (`Qwen3NextModel`, `_LinearAttentionVReorderBase` in
+    its conversion/qwen.py) makes:
 
     - every decoder norm but the DeltaNet's own holds 1 + w (Gemma's way): w again;
     - `ssm_a` is -exp(A_log): A_log again; `ssm_conv1d` lost its middle dimension of 1;
@@ -595,7 +614,8 @@ class _HybridTensors:
         self.v_heads = int(config["linear_num_value_heads"])  # type: ignore[call-overload]
         self.k_dim = int(config["linear_key_head_dim"])  # type: ignore[call-overload]
         self.v_dim = int(config["linear_value_head_dim"])  # type: ignore[call-overload]
-        self.reordered = config["model_type"] == "qwen3_5_text" and self.k_heads != self.v_heads
+        qwen35 = config["model_type"] in ("qwen3_5_text", "qwen3_5_moe_text")
+        self.reordered = qwen35 and self.k_heads != self.v_heads
         self.fused = config["model_type"] == "qwen3_next"
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
 
@@ -603,10 +623,7 @@ class _HybridTensors:
         """The inverse of the converter's `_reorder_v_heads` along `dim`."""
         if not self.reordered:
             return w
-        per_k = self.v_heads // self.k_heads
-        shape = list(w.shape)
-        tiled = [*shape[:dim], per_k, self.k_heads, head_dim, *shape[dim + 1 :]]
-        return w.reshape(tiled).transpose(dim, dim + 1).reshape(shape)
+        return w.index_select(dim, grouped_order(self.k_heads, self.v_heads, head_dim))
 
     def restore(
         self, hf_name: str, w: torch.Tensor, dtype: torch.dtype
