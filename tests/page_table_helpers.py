@@ -8,6 +8,7 @@ copy, restore and move (a slot in the wrong page shows up as the wrong prefix).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from kvchat.engine.cache.page_hash import page_hash, root_salt
 from kvchat.engine.cache.page_table import PageTable, Reservation
@@ -55,6 +56,14 @@ class FakeMover:
     def move_page(self, src_page: int, dst_page: int) -> None:
         self.calls.append(("move", src_page, dst_page))
         self.dev[dst_page] = list(self.dev[src_page])
+
+    def state_to_host(self, state: Any) -> Any:
+        """A state in the host tier's memory: marked, so a test sees which copy it got."""
+        return ("on host", state)
+
+    def state_to_device(self, state: Any) -> Any:
+        assert state[0] == "on host", "only a host-tier state goes back to the device"
+        return state[1]
 
     def count(self, kind: str) -> int:
         return sum(1 for c in self.calls if c[0] == kind)

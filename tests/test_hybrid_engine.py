@@ -11,7 +11,7 @@ import torch
 from kvchat.engine.request import GenerationRequest, SamplingParams
 from kvchat.model.loader import load_model
 from tests.engine_helpers import Collector, Progress, generate, small_engine
-from tests.parity_helpers import hf_model
+from tests.parity_helpers import hf_logits, hf_model, rel_err
 from tests.tiny_models import write_tiny_model
 
 
@@ -169,3 +169,65 @@ def test_after_a_restart_a_conversation_resumes_from_the_disk_tier_with_its_stat
         assert result.cached_tokens.disk == 64
         assert list(result.generated_ids) == theirs(folder, follow_up, 6)
         assert restarted.stats().states_kept > 0
+
+
+class LogitsRecorder:
+    """An engine's transformer, keeping the logits each forward gives the sampler."""
+
+    def __init__(self, transformer) -> None:
+        self._inner = transformer
+        self.logits: list[torch.Tensor] = []
+
+    def forward(self, *args):
+        out = self._inner.forward(*args)
+        self.logits.append(out.detach().float().clone())
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def first_token_logits(engine, ids: list[int]) -> tuple[torch.Tensor, object]:
+    """The logits the engine samples `ids`' first generated token from, and the result."""
+    recorder = engine.transformer
+    recorder.logits.clear()
+    done = Collector()
+    engine.submit(GenerationRequest(tuple(ids), max_tokens=1, ignore_eos=True), done)
+    result = done.wait()
+    return recorder.logits[-1][-1], result
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_bf16_logits_after_a_switch_back_are_within_transformers_own_error(family, tier, tmp_path):
+    """In bf16, the follow-up resumed from the state the host tier kept (or a disk page
+    read after a restart) is as close to float32 transformers as transformers' own bf16."""
+    folder, _ = family
+    model = load_model(str(folder), dtype="bfloat16", device="cpu")
+    c = model.config
+    page_bytes = c.kv_layers * 2 * 16 * c.num_kv_heads * c.head_dim * 2
+    if tier == "host":
+        config = dict(device_cache_bytes=12 * page_bytes, host_cache_bytes=1 << 20)
+    else:
+        config = dict(disk_cache_bytes=64 << 20, disk_cache_dir=tmp_path / "kv", host_cache_bytes=0)
+    a = prompt(13, 60)
+    with small_engine(model, **config) as engine:
+        done = Collector()
+        engine.submit(GenerationRequest(tuple(a), max_tokens=5, ignore_eos=True), done)
+        follow_up = [*a, *done.wait().generated_ids, 7]  # 66 tokens: 4 full pages
+        if tier == "host":  # another conversation takes the device pages
+            other = Collector()
+            engine.submit(GenerationRequest(tuple(prompt(14, 100)), max_tokens=2), other)
+            other.wait()
+            engine.transformer = LogitsRecorder(engine.transformer)
+            ours, result = first_token_logits(engine, follow_up)
+            assert result.cached_tokens.host > 0
+    if tier == "disk":
+        with small_engine(model, **config) as restarted:
+            restarted.transformer = LogitsRecorder(restarted.transformer)
+            ours, result = first_token_logits(restarted, follow_up)
+            assert result.cached_tokens.disk == 64
+    assert result.cached_tokens.total == 64  # resumed at the 4th page: 2 of 66 computed
+    ids = torch.tensor(follow_up)
+    exact = hf_logits(folder, ids)[-1]
+    theirs = rel_err(hf_logits(folder, ids, torch.bfloat16)[-1], exact)
+    assert rel_err(ours, exact) <= 1.5 * theirs + 1e-3, (rel_err(ours, exact), theirs)

@@ -43,6 +43,21 @@ def test_resume_page_host_state_survives_the_evictions_its_own_reserve_makes():
     assert table.resume_state(3) == ("state", (1, 2, 3, 4))
 
 
+def test_the_host_tier_keeps_states_in_host_memory_and_gives_them_back_on_the_device():
+    """A state leaving the device with its page is kept in the host tier's form (on a GPU:
+    host memory, not the device memory the tier frees), and a request resuming there gets
+    it back in the device's form."""
+    table, mover = hybrid(num_pages=2, host_slots=4, capacity=4)
+    a = [1, 2, 3, 4, 5]
+    turn(table, mover, 1, a)
+    turn(table, mover, 2, [9, 8, 7, 6, 5])  # a's page 0 goes to the host with its state
+    kept = list(table._tiers.host_states.values())
+    assert ("on host", ("state", (1, 2, 3, 4))) in kept
+    res = table.reserve(3, [*a, 6], count_as="prompt")
+    assert res is not None and res.cached.total == PS
+    assert table.resume_state(3) == ("state", (1, 2, 3, 4))
+
+
 def test_a_state_recomputed_on_a_duplicate_page_reaches_the_indexed_page():
     """A page whose state was let go is computed again (the match is cut before it) into a
     fresh page, a duplicate of the indexed one: the state kept there goes when the

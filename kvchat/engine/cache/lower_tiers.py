@@ -46,6 +46,11 @@ class PageMover(Protocol):
 
     def state_from_parts(self, parts: Any) -> Any: ...
 
+    # ... and kept by the host tier in host memory, given back on the device
+    def state_to_host(self, state: Any) -> Any: ...
+
+    def state_to_device(self, state: Any) -> Any: ...
+
     # a model whose windowed layers are kept apart: whether a copy holds their part
     def window_of_host(self, host_slot: int) -> bool: ...
 
@@ -112,17 +117,22 @@ class LowerTiers:
         return self.host is not None and h in self.host
 
     def state_on_host(self, h: bytes) -> Any:
-        """The linear layers' state host page `h` left the device with (None: none)."""
+        """The linear layers' state host page `h` left the device with, back on the
+        device (None: none)."""
         state = self.host_states.get(h)
-        if state is not None:
-            self.host_states.move_to_end(h)
-        return state
+        if state is None:
+            return None
+        self.host_states.move_to_end(h)
+        return self._mover.state_to_device(state)
+
+    def has_state_on_host(self, h: bytes) -> bool:
+        return h in self.host_states
 
     def _keep_host_state(self, h: bytes, device_page: int) -> None:
         state = self._state_of(device_page) if self._state_of is not None else None
         if state is None:
             return
-        self.host_states[h] = state
+        self.host_states[h] = self._mover.state_to_host(state)
         self.host_states.move_to_end(h)
         while len(self.host_states) > self._states_capacity:
             self.host_states.popitem(last=False)

@@ -804,7 +804,7 @@ class PageTable:
             if p is not None:
                 return states.has(p)
             if self._tiers.on_host(h):
-                return self._tiers.state_on_host(h) is not None
+                return self._tiers.has_state_on_host(h)
             if h in from_disk:
                 return self._tiers.state_in_parts(from_disk[h]) is not None
             return unread  # a page only the disk holds, its file not read

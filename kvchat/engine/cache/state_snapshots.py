@@ -14,8 +14,8 @@ kept. Where a sequence ended (`mark_resume`: a finished turn's last full page, w
 conversation resumes) is let go last: first the states a sequence only passed by, the
 least recently used first, then the resume points, the least recently used first; so a
 long prompt's many page ends do not push out where other conversations stopped. A state
-belongs to its page: it goes when the page leaves the device (the host and disk tiers
-keep no states yet) and moves with it.
+belongs to its page: it moves with it, and leaves the device with it (the host tier keeps
+it in host memory, `LowerTiers.host_states`; a disk page file holds it in its last parts).
 
 Pure bookkeeping: the states are opaque here (the engine's tensors); the page table
 calls this from the step thread.

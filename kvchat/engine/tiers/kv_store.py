@@ -429,6 +429,21 @@ class KVPageMover:
             for c, r in zip(conv.unbind(0), recurrent.unbind(0), strict=True)
         )
 
+    def state_to_host(self, state: Sequence[DeltaNetState]) -> tuple[DeltaNetState, ...]:
+        """A state whose page moves to the host tier, in host memory: on a GPU it would
+        otherwise hold device memory the host tier exists to free (on a CPU the host is
+        the device, and the state is kept as it is: a kept state is never written)."""
+        if self.device_store.device.type == "cpu":
+            return tuple(state)
+        return tuple(DeltaNetState(s.conv.cpu(), s.recurrent.cpu()) for s in state)
+
+    def state_to_device(self, state: Sequence[DeltaNetState]) -> tuple[DeltaNetState, ...]:
+        """A host-tier state (`state_to_host`) where the model computes."""
+        device = self.device_store.device
+        if device.type == "cpu":
+            return tuple(state)
+        return tuple(DeltaNetState(s.conv.to(device), s.recurrent.to(device)) for s in state)
+
     def synchronize(self) -> None:
         """Wait for pending asynchronous copies (before the CPU reads host bytes)."""
         if self._async:
