@@ -10,7 +10,7 @@ import torch
 
 from kvchat.engine.tiers.kv_store import DeviceKVStore
 from kvchat.model import huge_pages
-from kvchat.model.linear import slot_names
+from kvchat.model.linear import StackedLinear, slot_names
 from kvchat.model.loader import load_model
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
@@ -77,6 +77,23 @@ def test_the_models_linear_layers_share_one_arena(tmp_path):
             if isinstance(x, torch.Tensor) and x.data_ptr() != t.embed.data_ptr():
                 storages.add(x.untyped_storage().data_ptr())
     assert len(storages) == 1
+
+
+def test_a_stacked_layers_parts_join_the_arena_and_the_weight_count(tmp_path):
+    """A Q4_K_M file's q/k/v is a stack of a 4-bit q/k and a Q6_K v: their tensors are
+    copied into the arena with every other layer's, and counted in the weight bytes."""
+    from tests.tiny_gguf import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "tiny-Q4_K_M.gguf", "Q4_K_M")
+    t = load_model(str(path), dtype="float32", device="cpu").transformer
+    stack = t.layers[0].qkv
+    assert isinstance(stack, StackedLinear)
+    arena = t.layers[0].gate_up.codes.untyped_storage().data_ptr()
+    for part in stack.parts:
+        assert part.codes.untyped_storage().data_ptr() == arena
+    held = sum(linear.nbytes() for linear in t._linears())
+    assert held >= sum(layer.qkv.nbytes() for layer in t.layers)
+    assert t.weight_bytes() >= held + t.embed.numel() * t.embed.element_size()
 
 
 @linux

@@ -33,7 +33,13 @@ from kvchat.model.decoder_ops import (
     silu_mul,
 )
 from kvchat.model.gemma3_layer import Gemma3Layer, gemma_multiplier, gemma_rms_norm
-from kvchat.model.linear import Linear, bounded_kernel_caches, make_linear, slot_names
+from kvchat.model.linear import (
+    Linear,
+    StackedLinear,
+    bounded_kernel_caches,
+    make_linear,
+    slot_names,
+)
 from kvchat.model.qwen35_layer import Qwen35Layer
 from kvchat.model.read_ahead import read_ahead
 from kvchat.model.rope import RotaryTable, longrope_set
@@ -246,11 +252,19 @@ class Transformer:
         return [t for table in tables for t in vars(table).values() if isinstance(t, torch.Tensor)]
 
     def _linears(self) -> list[Linear]:
+        """Every linear layer, a stacked one as its parts: what holds the tensors (the
+        huge-page arena, the weight count) and what oneDNN packs are the parts (a Q4_K_M
+        file's q/k/v is 4-bit q and k beside a Q6_K v)."""
         layers = [
             (layer.qkv, layer.o, layer.gate_up, layer.down, *_hybrid_linears(layer))
             for layer in self.layers
         ]
-        return [self.lm_head, *(linear for group in layers for linear in group if linear)]
+        linears = [self.lm_head, *(linear for group in layers for linear in group if linear)]
+        return [
+            part
+            for linear in linears
+            for part in (linear.parts if isinstance(linear, StackedLinear) else (linear,))
+        ]
 
     @torch.inference_mode()
     def forward(
