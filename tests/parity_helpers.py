@@ -53,3 +53,12 @@ def hf_logits(folder, ids: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
 def random_ids(n: int, seed: int, low: int = 0) -> torch.Tensor:
     """`n` seeded token ids below 512 (the tiny models' vocabulary), from `low`."""
     return torch.randint(low, 512, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def native_error(native, dense, n: int = 48, seed: int = 4) -> float:
+    """The relative error of a model with its file's quantized layers against the same
+    file dequantized, over `n` seeded ids, a prefill then decode steps (`kvchat_logits`)."""
+    ids = torch.randint(
+        0, native.config.vocab_size, (n,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
+    return rel_err(kvchat_logits(native, ids, paged=True), kvchat_logits(dense, ids, paged=True))
