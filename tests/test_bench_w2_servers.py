@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvchat.bench import documents as docs
-from kvchat.bench.peers.serving import LlamaServerPeer, ServerChat
+from kvchat.bench.peers.serving import LlamaServerPeer, OneSlotLlamaServerPeer, ServerChat
 from kvchat.cli import main
 from tests.servers import Server
 
@@ -109,9 +109,7 @@ def test_the_one_slot_llama_server_peer_serves_every_session_from_one_slot(
 ) -> None:
     """`llama-server-1slot`: the server runs one slot, and a switch between two sessions
     is served by it (the second session's turn and the first's follow-up both answer)."""
-    peer = LlamaServerPeer(
-        Path(llama_server.argv[0]), default_gguf_path, print, slots=1, name="llama-server-1slot"
-    )
+    peer = OneSlotLlamaServerPeer(Path(llama_server.argv[0]), default_gguf_path, print)
     try:
         chat = peer.chat(4096)
         assert peer.server is not None
@@ -123,4 +121,5 @@ def test_the_one_slot_llama_server_peer_serves_every_session_from_one_slot(
     finally:
         peer.close()
     assert "-np 1" in peer.description and peer.name == "llama-server-1slot"
+    assert not hasattr(peer, "concurrent")  # W2 leaves it out
     assert peer.peak_rss() is not None and peer.peak_rss().process == "llama-server-1slot"

@@ -231,3 +231,20 @@ def test_bf16_logits_after_a_switch_back_are_within_transformers_own_error(famil
     exact = hf_logits(folder, ids)[-1]
     theirs = rel_err(hf_logits(folder, ids, torch.bfloat16)[-1], exact)
     assert rel_err(ours, exact) <= 1.5 * theirs + 1e-3, (rel_err(ours, exact), theirs)
+
+
+def test_the_host_tiers_budget_holds_the_states_it_keeps(family):
+    """The host tier keeps states of its pages in host memory, sized from its own budget
+    as the device's are from its (a share, half at most): its pages are what is left."""
+    from kvchat.engine.tiers.kv_store import pages_for_bytes
+
+    _, model = family
+    c, host_bytes = model.config, 4 << 20
+    with small_engine(model, host_cache_bytes=host_bytes) as engine:
+        states = engine.table.states
+        assert states is not None
+        kept = engine.table._tiers.states_capacity * states.state_bytes
+        assert 0 < kept <= host_bytes // 2
+        geometry = (c.kv_layers, 16, c.num_kv_heads, c.head_dim, torch.float32, "native")
+        assert engine.host_store is not None
+        assert engine.host_store.num_slots == pages_for_bytes(host_bytes - kept, *geometry)

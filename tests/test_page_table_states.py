@@ -74,3 +74,25 @@ def test_a_state_recomputed_on_a_duplicate_page_reaches_the_indexed_page():
     # the states at 8 and 12 were computed again: the indexed pages should have them now
     res = table.reserve(3, history, count_as="prompt")
     assert res.cached.total == 12, res.cached
+
+
+def test_a_prefetch_brings_a_host_state_back_in_the_devices_form():
+    """A prefetch restores a host page ahead of its request: the state it brings to the
+    device is the device's form, and the request resumes from it."""
+    table, mover = hybrid(num_pages=3, host_slots=4, capacity=4)
+    a = [1, 2, 3, 4, 5]
+    turn(table, mover, 1, a)
+    turn(table, mover, 2, [9, 8, 7, 6, 5, 4, 3, 2, 1])  # a's page 0 goes to the host
+    assert ("on host", ("state", (1, 2, 3, 4))) in table._tiers.host_states.values()
+    assert table.prefetch([*a, 6]) == 1
+    assert ("state", (1, 2, 3, 4)) in kept(table)
+    assert all(state[0] != "on host" for state in kept(table))
+    res = table.reserve(3, [*a, 6], count_as="prompt")
+    assert res is not None and res.cached.total == PS
+    assert table.resume_state(3) == ("state", (1, 2, 3, 4))
+
+
+def kept(table) -> list:
+    """The states the device keeps now."""
+    states = table.states
+    return [states.get(p) for p in range(table.num_pages) if states.has(p)]

@@ -127,3 +127,25 @@ def test_bench_serving_peers_are_skipped_with_their_reason_without_a_path(tmp_pa
     missing = {"llama-server": str(tmp_path / "nothing")}
     _, _, skipped = load_peers(["llama-server"], model, print, missing)
     assert skipped["llama-server"] == f"no llama-server at {tmp_path / 'nothing'}"
+
+
+def test_the_one_slot_llama_server_peer_runs_the_llama_server_binary_given(tmp_path) -> None:
+    """`llama-server-1slot` takes `--llama-server`'s path and one slot, and W2 (which runs
+    the peers that have `concurrent`) leaves it out."""
+    from types import SimpleNamespace
+
+    from kvchat.bench.peers.serving import OneSlotLlamaServerPeer
+    from kvchat.bench.runner import load_peers
+
+    model = SimpleNamespace(source=tmp_path / "m.gguf")
+    binary = tmp_path / "llama-server"
+    binary.write_text("")
+    both = ["llama-server", "llama-server-1slot"]
+    chat, _, skipped = load_peers(both, model, print, {"llama-server": str(binary)})
+    assert skipped == {} and set(chat) == set(both)
+    one = chat["llama-server-1slot"]
+    assert isinstance(one, OneSlotLlamaServerPeer) and one.binary == binary and one.slots == 1
+    assert "-np 1" in one.description and not hasattr(one, "concurrent")
+    assert hasattr(chat["llama-server"], "concurrent")
+    _, _, skipped = load_peers(["llama-server-1slot"], model, print, {})
+    assert "give --llama-server PATH" in skipped["llama-server-1slot"]

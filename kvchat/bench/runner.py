@@ -183,7 +183,7 @@ def _llama_bench_peer(llama_server: str | None, model):
 
 
 def _serving_peer(name: str, path: str | None, model, progress):
-    from kvchat.bench.peers.serving import LlamaServerPeer, VllmPeer
+    from kvchat.bench.peers.serving import LlamaServerPeer, OneSlotLlamaServerPeer, VllmPeer
 
     flag = "--llama-server" if name.startswith("llama-server") else "--vllm-python"
     if not path:
@@ -192,7 +192,7 @@ def _serving_peer(name: str, path: str | None, model, progress):
     if name == "llama-server":
         return LlamaServerPeer(Path(path), source, progress)
     if name == "llama-server-1slot":
-        return LlamaServerPeer(Path(path), source, progress, slots=1, name=name)
+        return OneSlotLlamaServerPeer(Path(path), source, progress)
     folder = source
     if source.suffix.lower() == ".gguf":
         from kvchat.bench.peers.hf_folder import hf_folder_of

@@ -79,10 +79,16 @@ def build_kv_cache(
     # and the table keeps states at page ends (`state_snapshots`), which go with their
     # pages to the host and disk tiers
     hybrid = mc.kv_layers != mc.num_layers
-    states = None
+    states, host_states = None, None
     if hybrid:
         states = _state_snapshots(mc, dtype, dev_bytes)
         dev_bytes -= states.capacity * states.state_bytes
+        # the host tier keeps states of its own pages in host memory (`LowerTiers`), sized
+        # from its budget by the device's rule (none where two would not fit)
+        host_states = 0
+        if host_bytes >= 2 * states.state_bytes:
+            host_states = _state_snapshots(mc, dtype, host_bytes).capacity
+        host_bytes -= host_states * states.state_bytes
     geometry = (mc.kv_layers, ps, mc.num_kv_heads, mc.head_dim, dtype)
     groups = LayerGroups.of(mc.layer_windows if split_windowed else None, mc.kv_layers)
     num_pages = pages_for_bytes(dev_bytes, *geometry, kv_format)
@@ -131,7 +137,9 @@ def build_kv_cache(
         root = config.disk_cache_dir or app_paths().kv_cache_dir
         disk = DiskTier(root, fmt, config.disk_cache_bytes, busy=busy)
     host = HostTier(host_slots) if host_slots else None
-    table = PageTable(num_pages, ps, salt, host, mover, disk, window, states=states)
+    table = PageTable(
+        num_pages, ps, salt, host, mover, disk, window, states=states, host_states=host_states
+    )
     return KVCache(store, window_store, groups, host_store, mover, disk, table)
 
 

@@ -207,26 +207,20 @@ class ServerChat:
             self.client.close()
 
 
-class LlamaServerPeer:
-    """llama-server with 4 slots (`-np 4`, what it picks by itself) and its RAM prompt
-    cache (on by default); for W2 with a slot per conversation. With `slots=1` (the
-    `llama-server-1slot` peer) the chats share one slot, as a user who starts it with
-    `-np 1` has: a switch finds the slot holding another conversation, and only the RAM
-    prompt cache can give the history back."""
+class _LlamaServer:
+    """llama-server started by the bench with `slots` slots and its RAM prompt cache (on
+    by default), restarted for every chat so that each starts with nothing cached."""
 
-    def __init__(
-        self, binary: Path, gguf: Path, progress, *, slots: int = 4, name: str = "llama-server"
-    ) -> None:
+    name = "llama-server"
+    slots = 4
+
+    def __init__(self, binary: Path, gguf: Path, progress) -> None:
         if not binary.is_file():
             raise PeerUnavailable(f"no llama-server at {binary}")
         if gguf.suffix.lower() != ".gguf":
             raise PeerUnavailable("llama-server serves GGUF files; the model is not one")
         self.binary, self.gguf, self.progress = binary, gguf, progress
-        self.name, self.slots = name, slots
-        self.description = (
-            f"llama-server -np {slots} (RAM prompt cache on; W2: -np 8, a slot a session), "
-            f"{gguf.name}"
-        )
+        self.description = f"llama-server -np {self.slots} (RAM prompt cache on), {gguf.name}"
         self.server: _Process | None = None
         self.peak_seen = 0  # the largest peak of the servers it stopped
 
@@ -245,16 +239,6 @@ class LlamaServerPeer:
         self.server = _Process(self.name, argv, env, port)
         return ServerChat(port)
 
-    def concurrent(
-        self, questions: Sequence[str], tokens_each: int, capacity_tokens: int
-    ) -> BatchResult:
-        """W2 on a fresh server with a slot per question, so none waits for a free one."""
-        chat = self.chat(capacity_tokens, slots=len(questions))
-        try:
-            return chat.concurrent(questions, tokens_each)
-        finally:
-            chat.close()
-
     def peak_rss(self) -> PeakRss | None:
         """The largest peak of the servers it started so far (None before the first)."""
         live = self.server.peak_bytes() if self.server is not None else 0
@@ -266,6 +250,36 @@ class LlamaServerPeer:
             self.server.stop()
             self.peak_seen = max(self.peak_seen, self.server.peak_seen)
             self.server = None
+
+
+class LlamaServerPeer(_LlamaServer):
+    """llama-server with 4 slots (`-np 4`, what it picks by itself) for the chats, and for
+    W2 a slot per conversation."""
+
+    def __init__(self, binary: Path, gguf: Path, progress) -> None:
+        super().__init__(binary, gguf, progress)
+        self.description = (
+            f"llama-server -np 4 (RAM prompt cache on; W2: -np 8, a slot a session), {gguf.name}"
+        )
+
+    def concurrent(
+        self, questions: Sequence[str], tokens_each: int, capacity_tokens: int
+    ) -> BatchResult:
+        """W2 on a fresh server with a slot per question, so none waits for a free one."""
+        chat = self.chat(capacity_tokens, slots=len(questions))
+        try:
+            return chat.concurrent(questions, tokens_each)
+        finally:
+            chat.close()
+
+
+class OneSlotLlamaServerPeer(_LlamaServer):
+    """`llama-server-1slot`: the chats share one slot, as for a user who starts it with
+    `-np 1`: a switch finds the slot holding another conversation, and only the RAM prompt
+    cache can give the history back. No W2: concurrent streams are what slots are for."""
+
+    name = "llama-server-1slot"
+    slots = 1
 
 
 class VllmPeer:

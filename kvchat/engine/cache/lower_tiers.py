@@ -108,7 +108,7 @@ class LowerTiers:
         # a hybrid model: the linear layers' state kept at a device page's end (None: none),
         # and those of host pages, by hash, at most `states_capacity`, oldest use first
         self._state_of = state_of
-        self._states_capacity = states_capacity
+        self.states_capacity = states_capacity
         self.host_states: OrderedDict[bytes, Any] = OrderedDict()
 
     # ---- lookups -------------------------------------------------------------------------
@@ -134,7 +134,7 @@ class LowerTiers:
             return
         self.host_states[h] = self._mover.state_to_host(state)
         self.host_states.move_to_end(h)
-        while len(self.host_states) > self._states_capacity:
+        while len(self.host_states) > self.states_capacity:
             self.host_states.popitem(last=False)
 
     def window_on_host(self, h: bytes) -> bool:

@@ -71,11 +71,13 @@ class PageTable:
         window: WindowSlots | None = None,
         *,
         states: StateSnapshots | None = None,
+        host_states: int | None = None,
     ) -> None:
         """`window`: where the model keeps its windowed layers apart, which pages keep
         their part of them (`window_slots`); None: every layer of every page is kept.
         `states`: a hybrid model's linear-layer states kept at page ends
-        (`state_snapshots`): a prefix is used up to the last page with one."""
+        (`state_snapshots`): a prefix is used up to the last page with one; the host
+        tier keeps at most `host_states` of them (None: as many as the device)."""
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         if page_size < 1:
@@ -101,7 +103,11 @@ class PageTable:
             count=self._count_eviction,
             window_of=window.has if window is not None else None,
             state_of=self._state_of if states is not None else None,
-            states_capacity=states.capacity if states is not None else 0,
+            states_capacity=0
+            if states is None
+            else states.capacity
+            if host_states is None
+            else host_states,
         )
 
     @property
