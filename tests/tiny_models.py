@@ -91,6 +91,26 @@ def overrides_of(names: tuple[str, ...], shapes: dict) -> dict:
     return {name: shapes.pop(name) for name in names if name in shapes}
 
 
+def _hybrid_settings(shapes: dict, overrides, *, mrope: bool) -> dict:
+    """What the Qwen3.5 and Qwen3-Next configs share: the layer kinds and DeltaNet sizes
+    (TINY_SHAPES' layer count taken out of `shapes`, a caller's overrides kept), Qwen3.5's
+    rotary (a quarter of each head rotates: 8 of 32 dimensions here; Qwen3.5's with its
+    multimodal sections), untied embeddings and the special ids."""
+    overrides_of(tuple(QWEN35_LAYERS), shapes)
+    layers = {**QWEN35_LAYERS, **overrides_of(tuple(QWEN35_LAYERS), dict(overrides))}
+    rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
+    if mrope:
+        rope |= {"mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    return dict(
+        **layers,
+        rope_parameters=rope,
+        tie_word_embeddings=False,
+        pad_token_id=None,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
 def write_tiny_model(
     folder: Path,
     family: str = "llama",
@@ -206,76 +226,38 @@ def write_tiny_model(
         )
         model = Ministral3ForCausalLM(config)
     elif family == "qwen3_5_text":
-        # Qwen3.5's rotary (a quarter of each head rotates: 8 of 32 dimensions here)
-        overrides_of(tuple(QWEN35_LAYERS), shapes)  # TINY_SHAPES' layer count out
-        layers = {**QWEN35_LAYERS, **overrides_of(tuple(QWEN35_LAYERS), dict(overrides))}
-        config = Qwen3_5TextConfig(
-            **{"head_dim": 32, **shapes},
-            **layers,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10_000_000.0,
-                "partial_rotary_factor": 0.25,
-                "mrope_section": [11, 11, 10],
-                "mrope_interleaved": True,
-            },
-            tie_word_embeddings=False,
-            pad_token_id=None,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
+        hybrid = _hybrid_settings(shapes, overrides, mrope=True)
+        config = Qwen3_5TextConfig(**{"head_dim": 32, **shapes}, **hybrid)
         model = Qwen3_5ForCausalLM(config)
     elif family == "qwen3_next":
         # Qwen3.5's layers with Qwen3-Next-80B-A3B's routing scaled down (10 of 512 experts
         # and a shared one there, 2 of 8 and a shared one here), a dense layer first
-        overrides_of(tuple(QWEN35_LAYERS), shapes)
-        layers = {**QWEN35_LAYERS, **overrides_of(tuple(QWEN35_LAYERS), dict(overrides))}
+        hybrid = _hybrid_settings(shapes, overrides, mrope=False)
         dense = shapes.pop("mlp_only_layers", [0])  # none in llama.cpp's files
         config = Qwen3NextConfig(
             **{"head_dim": 32, **shapes},
-            **layers,
+            **hybrid,
             num_experts=8,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
             shared_expert_intermediate_size=48,
             norm_topk_prob=True,
             mlp_only_layers=dense,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10_000_000.0,
-                "partial_rotary_factor": 0.25,
-            },
-            tie_word_embeddings=False,
-            pad_token_id=None,
-            bos_token_id=1,
-            eos_token_id=2,
         )
         model = Qwen3NextForCausalLM(config)
     elif family == "qwen3_5_moe_text":
         # Qwen3.5's layers with Qwen3.5-35B-A3B's routing scaled down (8 of 256 experts and
         # a shared one there, 2 of 8 and a shared one here) in every layer; the experts
         # written stacked, as the hub's files hold them
-        overrides_of(tuple(QWEN35_LAYERS), shapes)
-        layers = {**QWEN35_LAYERS, **overrides_of(tuple(QWEN35_LAYERS), dict(overrides))}
+        hybrid = _hybrid_settings(shapes, overrides, mrope=True)
         shapes.pop("intermediate_size")  # no dense feed-forward: not a key of its config
         config = Qwen3_5MoeTextConfig(
             **{"head_dim": 32, **shapes},
-            **layers,
+            **hybrid,
             num_experts=8,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
             shared_expert_intermediate_size=48,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10_000_000.0,
-                "partial_rotary_factor": 0.25,
-                "mrope_section": [11, 11, 10],
-                "mrope_interleaved": True,
-            },
-            tie_word_embeddings=False,
-            pad_token_id=None,
-            bos_token_id=1,
-            eos_token_id=2,
         )
         model = Qwen3_5MoeForCausalLM(config)
         original_format = False
