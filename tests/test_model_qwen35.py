@@ -94,11 +94,18 @@ def test_decoding_without_the_carried_states_gives_other_logits(qwen35_folder):
 
 
 def test_bf16_error_within_transformers_own(qwen35_folder):
-    ids = random_ids(64, seed=2, low=3)
-    exact = hf_logits(qwen35_folder, ids)
-    theirs = rel_err(hf_logits(qwen35_folder, ids, torch.bfloat16), exact)
-    ours = rel_err(kvchat_logits(load(qwen35_folder, "bfloat16"), ids.tolist(), paged=True), exact)
+    ours, theirs = bf16_errors(qwen35_folder)
     assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
+
+
+def bf16_errors(folder) -> tuple[float, float]:
+    """kvchat's bf16 error (a prefill then decode steps) and transformers' own bf16 error,
+    both against transformers in float32, over 64 seeded ids."""
+    ids = random_ids(64, seed=2, low=3)
+    exact = hf_logits(folder, ids)
+    theirs = rel_err(hf_logits(folder, ids, torch.bfloat16), exact)
+    ours = rel_err(kvchat_logits(load(folder, "bfloat16"), ids.tolist(), paged=True), exact)
+    return ours, theirs
 
 
 def paged_logits(
@@ -139,15 +146,23 @@ def paged_logits(
 def test_a_batch_of_sequences_equals_each_alone(qwen35_folder):
     """Two sequences of different lengths prefilled in one forward, then decoded together:
     each run's linear layers read and write its own state."""
-    model = load(qwen35_folder)
-    prompts = [random_ids(n, seed=n, low=3).tolist() for n in (36, 21)]
-    prefill = [30, 12]
-    together = paged_logits(model, prompts, prefill)
-    for ids, n, ours in zip(prompts, prefill, together, strict=True):
-        alone = paged_logits(model, [ids], [n])[0]
+    for ids, ours, alone in batched_and_alone(qwen35_folder):
         assert ours.shape == (len(ids), 512)
         assert rel_err(ours, alone) < 1e-5
         assert rel_err(ours, hf_logits(qwen35_folder, torch.tensor(ids))) < 1e-4
+
+
+def batched_and_alone(folder) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """Two prompts (36 and 21 tokens) prefilled in one forward (30 and 12 tokens), then
+    decoded together; for each, (ids, its logits in the batch, its logits alone)."""
+    model = load(folder)
+    prompts = [random_ids(n, seed=n, low=3).tolist() for n in (36, 21)]
+    prefill = [30, 12]
+    together = paged_logits(model, prompts, prefill)
+    return [
+        (ids, ours, paged_logits(model, [ids], [n])[0])
+        for ids, n, ours in zip(prompts, prefill, together, strict=True)
+    ]
 
 
 def write_vision_language_qwen35(folder, text_folder, *, moe: bool = False):
@@ -237,11 +252,7 @@ def test_qwen3_next_logits_match_transformers_fp32(qwen3_next_folder, paged):
 
 
 def test_qwen3_next_bf16_error_within_transformers_own(qwen3_next_folder):
-    ids = random_ids(64, seed=2, low=3)
-    exact = hf_logits(qwen3_next_folder, ids)
-    theirs = rel_err(hf_logits(qwen3_next_folder, ids, torch.bfloat16), exact)
-    model = load(qwen3_next_folder, "bfloat16")
-    ours = rel_err(kvchat_logits(model, ids.tolist(), paged=True), exact)
+    ours, theirs = bf16_errors(qwen3_next_folder)
     assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
 
 
@@ -275,23 +286,14 @@ def test_qwen35_moe_logits_match_transformers_fp32(qwen35_moe_folder, paged):
 
 
 def test_qwen35_moe_bf16_error_within_transformers_own(qwen35_moe_folder):
-    ids = random_ids(64, seed=2, low=3)
-    exact = hf_logits(qwen35_moe_folder, ids)
-    theirs = rel_err(hf_logits(qwen35_moe_folder, ids, torch.bfloat16), exact)
-    model = load(qwen35_moe_folder, "bfloat16")
-    ours = rel_err(kvchat_logits(model, ids.tolist(), paged=True), exact)
+    ours, theirs = bf16_errors(qwen35_moe_folder)
     assert ours <= 1.5 * theirs + 1e-3, (ours, theirs)
 
 
 def test_qwen35_moe_a_batch_of_sequences_equals_each_alone(qwen35_moe_folder):
     """The experts group the batch's tokens across sequences; each run's linear layers
     keep to its own state."""
-    model = load(qwen35_moe_folder)
-    prompts = [random_ids(n, seed=n, low=3).tolist() for n in (36, 21)]
-    prefill = [30, 12]
-    together = paged_logits(model, prompts, prefill)
-    for ids, n, ours in zip(prompts, prefill, together, strict=True):
-        alone = paged_logits(model, [ids], [n])[0]
+    for ids, ours, alone in batched_and_alone(qwen35_moe_folder):
         assert rel_err(ours, alone) < 1e-5
         assert rel_err(ours, hf_logits(qwen35_moe_folder, torch.tensor(ids))) < 1e-4
 
