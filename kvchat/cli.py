@@ -158,8 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-shape",
         metavar="NAME[:QUANT]",
         help="measure a model of a real shape with random weights, made once (llama-3.2-1b, "
-        "qwen2.5-1.5b, gemma-3-1b, qwen3-30b-a3b-2l: Qwen3-30B-A3B cut to 2 layers; Q4_0 or "
-        "Q4_K_M, the default) in place of --model",
+        "qwen2.5-1.5b, gemma-3-270m, gemma-3-1b, qwen3-30b-a3b-2l: Qwen3-30B-A3B cut to 2 "
+        "layers; Q4_0 or Q4_K_M, the default) in place of --model",
     )
     bench.add_argument(
         "--list-shapes", action="store_true", help="list the shapes made so far and their sizes"

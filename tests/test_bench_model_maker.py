@@ -89,12 +89,16 @@ def tiny_version(shape: ModelShape) -> ModelShape:
     return dataclasses.replace(shape, name=f"tiny-{shape.name}", config={**shape.config, **small})
 
 
-@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-1.5b", "gemma-3-1b", "qwen3-30b-a3b-2l"])
+@pytest.mark.parametrize(
+    "name", ["llama-3.2-1b", "qwen2.5-1.5b", "gemma-3-270m", "gemma-3-1b", "qwen3-30b-a3b-2l"]
+)
 def test_every_real_shape_converts_with_the_default_models_tokenizer(
     name, default_gguf_path, tmp_path
 ):
     """The maker's weights and tokenizer, through llama.cpp's converter, for each real shape:
-    every file carries the default model's vocabulary and pre-tokenizer. A qwen2 folder is
+    every file carries the default model's vocabulary and pre-tokenizer, filled to the
+    shape's vocabulary size, and embeddings of that many rows (a Gemma's are cut to the
+    tokenizer's length by the converter: unfilled, llama.cpp refuses the file). A qwen2 folder is
     the one transformers would read with Qwen's own tokenizer class (Qwen's pre-tokenizer
     over SmolLM2's vocabulary), a pre-tokenizer the converter does not know and refuses."""
     from kvchat.bench import llama_cpp_tools
@@ -112,6 +116,7 @@ def test_every_real_shape_converts_with_the_default_models_tokenizer(
     default = GGUFFile.open(default_gguf_path).metadata
     assert made["tokenizer.ggml.pre"] == default["tokenizer.ggml.pre"] == "smollm"
     assert len(made["tokenizer.ggml.tokens"]) == shape.config["vocab_size"]
+    assert GGUFFile.open(gguf).tensors["token_embd.weight"].shape[0] == shape.config["vocab_size"]
     model = load_model(str(gguf), dtype="float32", device="cpu")
     assert model.config.model_type == shape.transformers_config().model_type
     assert (model.config.hidden_size, model.config.num_layers) == (64, 2)
@@ -190,6 +195,7 @@ def test_the_real_shapes_count_their_weights_as_the_models_do():
     counts = {name: model_maker.parameter_count(SHAPES[name]) for name in SHAPES}
     assert round(counts["llama-3.2-1b"] / 1e9, 2) == 1.24
     assert round(counts["qwen2.5-1.5b"] / 1e9, 2) == 1.54
+    assert round(counts["gemma-3-270m"] / 1e6) == 268  # Google names it 270M
     assert round(counts["gemma-3-1b"] / 1e9, 1) == 1.0
     assert round(counts["qwen3-30b-a3b-2l"] / 1e9, 2) == 1.87
 
@@ -197,7 +203,7 @@ def test_the_real_shapes_count_their_weights_as_the_models_do():
 @pytest.mark.parametrize(
     ("spec", "says"),
     [
-        ("llama-7b", "knows llama-3.2-1b, qwen2.5-1.5b, gemma-3-1b"),
+        ("llama-7b", "knows llama-3.2-1b, qwen2.5-1.5b, gemma-3-270m, gemma-3-1b"),
         ("llama-3.2-1b:Q8_0", "Q4_0, Q4_K_M after the colon"),
     ],
 )

@@ -191,7 +191,26 @@ model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 model.save_pretrained(out, safe_serialization=True)
 path = __import__("pathlib").Path(tokenizer)
 AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(out)
+from kvchat.bench.model_maker import fill_vocabulary
+fill_vocabulary(__import__("pathlib").Path(out) / "tokenizer.json", config.vocab_size)
 """
+
+
+def fill_vocabulary(tokenizer_json: Path, vocab_size: int) -> int:
+    """Give the borrowed tokenizer as many tokens as the shape has embedding rows, so the
+    file is the real model's size where it costs most (the embeddings, and a tied head):
+    llama.cpp's converter cuts a Gemma's embeddings to the tokenizer's length, and
+    llama.cpp refuses a file whose embeddings and vocabulary disagree. The added entries
+    are plain vocabulary no merge produces, so text tokenizes as before. Returns how many
+    were added."""
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    vocab: dict[str, int] = data["model"]["vocab"]
+    taken = set(vocab.values()) | {t["id"] for t in data.get("added_tokens", [])}
+    missing = [i for i in range(vocab_size) if i not in taken]
+    for i in missing:
+        vocab[f"<filler_{i}>"] = i
+    tokenizer_json.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return len(missing)
 
 
 def write_random_weights(

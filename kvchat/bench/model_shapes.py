@@ -103,6 +103,31 @@ GEMMA_3_1B = ModelShape(
     },
 )
 
+GEMMA_3_270M = ModelShape(
+    "gemma-3-270m",
+    "google/gemma-3-270m-it",
+    "Gemma3TextConfig",
+    {
+        "vocab_size": 262144,
+        "hidden_size": 640,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 18,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "max_position_embeddings": 32768,
+        "sliding_window": 512,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "bos_token_id": 2,
+        "eos_token_id": 106,
+    },
+)
+
 # Qwen3-30B-A3B's 48 layers cut to 2: the bf16 weights, which transformers holds and the
 # maker writes, go from 61 GB to 3.7 GB (the embeddings and the untied head are a third)
 QWEN3_30B_A3B_2L = ModelShape(
@@ -188,6 +213,7 @@ SHAPES = {
     for shape in (
         LLAMA_3_2_1B,
         QWEN2_5_1_5B,
+        GEMMA_3_270M,
         GEMMA_3_1B,
         QWEN3_30B_A3B_2L,
         QWEN3_5_9B_4L,
