@@ -1,6 +1,8 @@
-"""Where a 4-bit decode step's time goes, on the default model at ~512 tokens of context.
+"""Where a 4-bit decode step's time goes, at ~512 tokens of context.
 
-    python benchmarks/decode_profile.py
+    python benchmarks/decode_profile.py [MODEL]
+
+MODEL is a GGUF (a made shape's, `kvchat bench --list-shapes`), the default model if none.
 
 One request decodes on an engine stepped by hand (no engine thread): the median step
 and the median forward pass inside it over 100 steps, then a `cProfile` of 50 more
@@ -12,6 +14,7 @@ from __future__ import annotations
 import cProfile
 import pstats
 import statistics
+import sys
 import time
 
 from kvchat.engine.config import EngineConfig
@@ -23,7 +26,7 @@ from kvchat.native import build
 
 def main() -> None:
     build.request(wait=True)
-    model = load_model(None)
+    model = load_model(sys.argv[1] if len(sys.argv) > 1 else None)
     engine = Engine(model, EngineConfig(), start=False)
     prompt = tuple(range(1000, 1512))
     engine.submit(GenerationRequest(prompt, max_tokens=100_000, ignore_eos=True), lambda e: None)

@@ -65,8 +65,9 @@ def _tables(page_lists, query_lens, context_lens):
     )
 
 
-def _reference(q, k, v, ks, vs, page_lists, query_lens, context_lens, page_size):
-    """Causal attention in float64, each sequence's context gathered slot by slot."""
+def _reference(q, k, v, ks, vs, page_lists, query_lens, context_lens, page_size, window=None):
+    """Causal attention in float64, each sequence's context gathered slot by slot; with a
+    window, a query at p sees keys from p - window + 1 on."""
     kd, vd = k.double(), v.double()
     if ks is not None:
         kd, vd = kd * ks.double().unsqueeze(-1), vd * vs.double().unsqueeze(-1)
@@ -81,7 +82,10 @@ def _reference(q, k, v, ks, vs, page_lists, query_lens, context_lens, page_size)
         queries = q[start : start + n].double().transpose(0, 1)  # [Hq, n, D]
         scores = queries @ keys.transpose(1, 2) / q.shape[2] ** 0.5
         positions = torch.arange(total - n, total)[:, None]
-        scores = scores.masked_fill(torch.arange(total)[None, :] > positions, float("-inf"))
+        keys_at = torch.arange(total)[None, :]
+        scores = scores.masked_fill(keys_at > positions, float("-inf"))
+        if window is not None:
+            scores = scores.masked_fill(keys_at <= positions - window, float("-inf"))
         out.append((scores.softmax(-1) @ values).transpose(0, 1))
         start += n
     return torch.cat(out)
@@ -120,6 +124,43 @@ def test_kernel_matches_float64_reference(case, head_dim, dtype, kv_int8) -> Non
     assert torch.allclose(out.double(), expected, atol=tol, rtol=tol), (
         (out.double() - expected).abs().max()
     )
+
+
+@pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("head_dim", [16, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_int8", [False, True])
+def test_a_windowed_decode_reads_only_its_window(head_dim, dtype, kv_int8) -> None:
+    """Decodes of a sliding-window layer: each sequence's one query sees its last `window`
+    tokens (a context within its window sees all of it); the window's start mid-page, a
+    window longer than a work item's split, and a context inside its window."""
+    query_lens, context_lens, page_size = (1, 1, 1, 1), (700, 1300, 40, 513), 16
+    for window in (5, 512):
+        q, k, v, ks, vs, page_lists = _case(
+            window, dtype, head_dim, page_size, query_lens, context_lens, kv_int8
+        )
+        tables = _tables(page_lists, query_lens, context_lens)
+        out = native_attention.paged_attention(
+            q, k, v, ks, vs, *tables, page_size, head_dim**-0.5, window=window
+        )
+        expected = _reference(
+            q, k, v, ks, vs, page_lists, query_lens, context_lens, page_size, window
+        )
+        full = _reference(q, k, v, ks, vs, page_lists, query_lens, context_lens, page_size)
+        tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+        assert torch.allclose(out.double(), expected, atol=tol, rtol=tol), (
+            (out.double() - expected).abs().max()
+        )
+        assert not torch.allclose(full[0], expected[0], atol=0.05)  # the window mattered
+
+
+@pytest.mark.usefixtures("kernel")
+def test_a_window_is_refused_for_several_new_tokens() -> None:
+    q, k, v, ks, vs, page_lists = _case(0, torch.float32, 16, 16, (3,), (100,))
+    with pytest.raises(RuntimeError, match="a window is for decodes"):
+        native_attention.paged_attention(
+            q, k, v, ks, vs, *_tables(page_lists, (3,), (100,)), 16, 0.25, window=50
+        )
 
 
 @pytest.mark.usefixtures("kernel")

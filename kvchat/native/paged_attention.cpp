@@ -702,7 +702,7 @@ void attend_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& k_scale, const at::Tensor& v_scale,
                   const at::Tensor& pages, const at::Tensor& page_starts,
                   const at::Tensor& q_starts, const at::Tensor& ctx_lens, int64_t page_size,
-                  double scale, at::Tensor& out) {
+                  double scale, int64_t window, at::Tensor& out) {
   const int64_t B = ctx_lens.size(0);
   const int64_t hq = q.size(1);
   const int64_t hkv = k.size(1);
@@ -739,13 +739,19 @@ void attend_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const int64_t n = kern.q_starts[b + 1] - kern.q_starts[b];
     const int64_t L = kern.ctx_lens[b];
     const int64_t rows = n * group;
-    const int64_t splits = std::max<int64_t>(1, (L + kSplitTokens - 1) / kSplitTokens);
+    // A sliding window: a decode's one query sees the last `window` tokens, so its
+    // context simply starts later (several queries would each need a bound of their own).
+    TORCH_CHECK(window <= 0 || n == 1 || L <= window,
+                "kvchat attention: a window is for decodes (one new token a sequence)");
+    const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+    const int64_t splits =
+        std::max<int64_t>(1, (L - start + kSplitTokens - 1) / kSplitTokens);
     for (int64_t h = 0; h < hkv; ++h) {
       for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
         const int64_t R = std::min(kRowBlock, rows - r0);
         block_first_item.push_back(static_cast<int64_t>(items.size()));
         for (int64_t sp = 0; sp < splits; ++sp) {
-          const int64_t t0 = sp * kSplitTokens;
+          const int64_t t0 = start + sp * kSplitTokens;
           items.push_back({b, h, r0, R, t0, std::min(L, t0 + kSplitTokens), scratch_floats});
           scratch_floats += R * (D + 2);
         }
@@ -817,20 +823,21 @@ template <typename QT, typename KT>
 void dispatch_dim(int64_t D, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& pages,
                   const at::Tensor& page_starts, const at::Tensor& q_starts,
-                  const at::Tensor& ctx_lens, int64_t page_size, double scale, at::Tensor& out) {
+                  const at::Tensor& ctx_lens, int64_t page_size, double scale, int64_t window,
+                  at::Tensor& out) {
   switch (D) {
     case 16:  // the tests' tiny models
       return attend_typed<QT, KT, 16>(q, k, v, ks, vs, pages, page_starts, q_starts, ctx_lens,
-                                      page_size, scale, out);
+                                      page_size, scale, window, out);
     case 64:
       return attend_typed<QT, KT, 64>(q, k, v, ks, vs, pages, page_starts, q_starts, ctx_lens,
-                                      page_size, scale, out);
+                                      page_size, scale, window, out);
     case 128:
       return attend_typed<QT, KT, 128>(q, k, v, ks, vs, pages, page_starts, q_starts, ctx_lens,
-                                       page_size, scale, out);
+                                       page_size, scale, window, out);
     case 256:  // Gemma 3
       return attend_typed<QT, KT, 256>(q, k, v, ks, vs, pages, page_starts, q_starts, ctx_lens,
-                                       page_size, scale, out);
+                                       page_size, scale, window, out);
     default:
       TORCH_CHECK(false, "kvchat attention: head_dim ", D, " is not compiled (16, 64, 128, 256)");
   }
@@ -865,7 +872,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& page_starts, const at::Tensor& q_starts,
                   const at::Tensor& ctx_lens, int64_t page_size, double scale,
                   const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
-                  const std::optional<at::Tensor>& new_slots) {
+                  const std::optional<at::Tensor>& new_slots, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q [T,Hq,D], k/v [slots,Hkv,D]");
   TORCH_CHECK(q.stride(2) == 1 && k.is_contiguous() && v.is_contiguous(),
               "q's head dimension and the K/V store contiguous");
@@ -898,17 +905,17 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   if (q.scalar_type() == at::kBFloat16) {
     if (int8_kv)
       dispatch_dim<c10::BFloat16, int8_t>(D, q, k, v, ks, vs, pages, page_starts, q_starts,
-                                          ctx_lens, page_size, scale, out);
+                                          ctx_lens, page_size, scale, window, out);
     else
       dispatch_dim<c10::BFloat16, c10::BFloat16>(D, q, k, v, ks, vs, pages, page_starts,
-                                                 q_starts, ctx_lens, page_size, scale, out);
+                                                 q_starts, ctx_lens, page_size, scale, window, out);
   } else if (q.scalar_type() == at::kFloat) {
     if (int8_kv)
       dispatch_dim<float, int8_t>(D, q, k, v, ks, vs, pages, page_starts, q_starts, ctx_lens,
-                                  page_size, scale, out);
+                                  page_size, scale, window, out);
     else
       dispatch_dim<float, float>(D, q, k, v, ks, vs, pages, page_starts, q_starts, ctx_lens,
-                                 page_size, scale, out);
+                                 page_size, scale, window, out);
   } else {
     TORCH_CHECK(false, "kvchat attention: dtype ", q.scalar_type(), " is not compiled");
   }
@@ -921,7 +928,8 @@ TORCH_LIBRARY(kvchat, m) {
   m.def(
       "paged_attention(Tensor q, Tensor(a!) k, Tensor(b!) v, Tensor? k_scale, Tensor? v_scale, "
       "Tensor pages, Tensor page_starts, Tensor q_starts, Tensor ctx_lens, int page_size, "
-      "float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? new_slots=None) -> Tensor");
+      "float scale, Tensor? k_new=None, Tensor? v_new=None, Tensor? new_slots=None, "
+      "int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvchat, CPU, m) { m.impl("paged_attention", attend); }

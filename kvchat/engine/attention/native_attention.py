@@ -48,6 +48,7 @@ def paged_attention(
     page_size: int,
     scale: float,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every sequence's new tokens over its paged context.
 
@@ -60,6 +61,9 @@ def paged_attention(
 
     `new_kv` (k_new, v_new, slots), for bf16/fp32 stores: the new tokens' K/V `[T, Hkv,
     D]` (each token's values contiguous), stored at `slots` before attending.
+
+    `window`: a sliding-window layer's, for decodes only (one new token a sequence whose
+    context outgrows the window): each sequence attends to its last `window` tokens.
     """
     k_new, v_new, slots = new_kv if new_kv is not None else (None, None, None)
     return torch.ops.kvchat.paged_attention(
@@ -77,4 +81,5 @@ def paged_attention(
         k_new,
         v_new,
         slots,
+        window or 0,
     )

@@ -25,7 +25,8 @@ A sliding-window layer (Gemma 3's, gpt-oss's) whose sequences all fit their wind
 full attention and takes the paths above. Once a context outgrows the window, that layer
 reads each sequence's last `window - 1` positions before its first new token and its
 new tokens, gathered, in one masked call (`_attend_gathered`): at decode a window's
-worth of keys, not the whole context. A layer with attention sinks (gpt-oss) always
+worth of keys, not the whole context; decodes through the kernel give it the window,
+and each sequence's context starts at its window, read in place. A layer with attention sinks (gpt-oss) always
 takes that path: its softmax has a column no kernel here computes
 (`batch.reference_attention`).
 
@@ -235,6 +236,7 @@ class PagedAttention:
         k_flat: _FlatKV,
         v_flat: _FlatKV,
         new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         assert self._native is not None
         return native_attention.paged_attention(
@@ -247,6 +249,7 @@ class PagedAttention:
             self.page_size,
             self.scale,
             new_kv,
+            window,
         )
 
     def _prepare_padded_decode(self, views: list[_ContextView]) -> None:
@@ -337,17 +340,22 @@ class PagedAttention:
     ) -> torch.Tensor:
         assert self._batch is not None and self._slots is not None, "prepare() first"
         k_flat, v_flat = self._layers[layer]
-        if sinks is not None or (window is not None and max(self._batch.context_lens) > window):
+        all_native = self._native is not None and self._native_rows is None
+        if window is not None and max(self._batch.context_lens) <= window:
+            window = None  # every sequence fits its window: full attention
+        # the kernel takes a window for decodes only (one query a sequence)
+        if sinks is not None or (
+            window is not None and not (all_native and self._batch.is_decode_only)
+        ):
             self._write(k_flat, k)
             self._write(v_flat, v)
             return self._attend_gathered(q, k_flat, v_flat, window, sinks)
-        all_native = self._native is not None and self._native_rows is None
         if all_native and k_flat.scale is None and _kernel_can_store(k_flat, k, v):
-            return self._native_decode(q, k_flat, v_flat, (k, v, self._slots))  # writes too
+            return self._native_decode(q, k_flat, v_flat, (k, v, self._slots), window)
         self._write(k_flat, k)
         self._write(v_flat, v)
         if all_native:
-            return self._native_decode(q, k_flat, v_flat)
+            return self._native_decode(q, k_flat, v_flat, window=window)
         if self._batch.is_decode_only:
             return self._decode(q, k_flat, v_flat)
         return self._prefill(q, k_flat, v_flat)
