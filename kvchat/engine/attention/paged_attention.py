@@ -26,9 +26,9 @@ full attention and takes the paths above. Once a context outgrows the window, th
 reads each sequence's last `window - 1` positions before its first new token and its
 new tokens, gathered, in one masked call (`_attend_gathered`): at decode a window's
 worth of keys, not the whole context; decodes through the kernel give it the window,
-and each sequence's context starts at its window, read in place. A layer with attention sinks (gpt-oss) always
-takes that path: its softmax has a column no kernel here computes
-(`batch.reference_attention`).
+and each sequence's context starts at its window, read in place. A layer with attention
+sinks (gpt-oss) always takes the gathered path: its softmax has a column no kernel here
+computes (`batch.reference_attention`).
 
 It stays one module: `prepare` decides once per forward which of these paths each
 sequence takes, and every layer's call follows that decision with the same slots.
