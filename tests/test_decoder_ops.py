@@ -74,6 +74,67 @@ def test_add_rms_norm_without_delta_keeps_the_stream(kernels):
     _assert_same(normed, decoder_ops.rms_norm_reference(h, weight, 1e-6))
 
 
+def _factor(width: int, seed: int) -> torch.Tensor:
+    """A Gemma norm's float32 (1 + w) factor."""
+    return 1.0 + torch.randn(width, generator=torch.Generator().manual_seed(seed)) * 0.5
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_norms_equal_transformers_rounding(kernels, rows, dtype):
+    """Gemma's norm, its residual forms and its per-head q/k norms against the torch
+    sequence transformers runs (the factor applied in float32, one rounding)."""
+    h = _randn(rows, WIDTH, dtype=dtype, seed=20, scale=3.0)
+    y = _randn(rows, WIDTH, dtype=dtype, seed=21, scale=5.0)
+    post, pre = _factor(WIDTH, 22), _factor(WIDTH, 23)
+    reference = decoder_ops.gemma_norm_reference
+    _assert_same(decoder_ops.gemma_norm(h, pre, 1e-6), reference(h, pre, 1e-6))
+    total, normed = decoder_ops.gemma_add_norm(h, y, post, pre, 1e-6)
+    expected_total = h + reference(y, post, 1e-6)
+    _assert_same(total, expected_total)
+    _assert_same(normed, reference(expected_total, pre, 1e-6))
+    total, normed = decoder_ops.gemma_add_norm(h, y, None, pre, 1e-6)
+    assert torch.equal(total, h + y)
+    _assert_same(normed, reference(h + y, pre, 1e-6))
+
+    qkv = _randn(rows, (HEADS + 5) * HEAD_DIM, dtype=dtype, seed=24, scale=2.0)
+    q_factor, k_factor = _factor(HEAD_DIM, 25), _factor(HEAD_DIM, 26)
+    normed_heads = qkv.clone()
+    decoder_ops.gemma_heads_norm_(normed_heads, q_factor, k_factor, HEADS - 2, 2, 1e-6)
+    heads = qkv.view(rows, HEADS + 5, HEAD_DIM)
+    expected = torch.cat(
+        [
+            reference(heads[:, : HEADS - 2], q_factor, 1e-6),
+            reference(heads[:, HEADS - 2 : HEADS], k_factor, 1e-6),
+            heads[:, HEADS:],
+        ],
+        dim=1,
+    )
+    _assert_same(normed_heads, expected.reshape(rows, -1))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_equals_torch(kernels, rows, dtype):
+    """Within two bf16 steps of torch's, or 1e-5 of it: for gates near -5, 1 + tanh(...)
+    cancels to the last float bit (torch's own scalar and vector tanh then differ, -1.5e-7
+    against 0)."""
+    gate_up = _randn(rows, 2 * 1040, dtype=dtype, seed=27, scale=4.0)  # a width past 32s
+    gate, up = gate_up.chunk(2, dim=-1)
+    ours, theirs = decoder_ops.gelu_tanh_mul(gate_up), F.gelu(gate, approximate="tanh") * up
+    if dtype == torch.bfloat16:
+        assert (ours != theirs).float().mean() < 0.005
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=2**-6, atol=1e-5)
+    else:
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_gemma_norms_refuse_a_factor_of_the_wrong_kind(kernels):
+    x = _randn(2, WIDTH, dtype=torch.bfloat16, seed=28)
+    with pytest.raises(RuntimeError, match=r"\(1 \+ w\) factor float32"):
+        torch.ops.kvchat.gemma_rms_norm(x, torch.ones(WIDTH, dtype=torch.bfloat16), 1e-6)
+
+
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_rotates_q_and_k_in_place_and_leaves_v(kernels, rows, dtype):

@@ -1,4 +1,5 @@
-"""A decoder layer's small ops: residual add + RMSNorm, rotary, SiLU(gate) * up.
+"""A decoder layer's small ops: residual add + RMSNorm, rotary, SiLU(gate) * up, and
+Gemma's forms of them (its (1 + w) norms rounded once, GELU(gate) * up).
 
 Each has two implementations that compute the same numbers: kvchat's fused CPU kernels
 (`kvchat/native/decoder_ops.cpp`), used once they are compiled and loaded, and plain
@@ -66,6 +67,56 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.kvchat.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gemma_norm(x: torch.Tensor, factor: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Gemma3RMSNorm of x [T, H]: statistics and the float32 factor (1 + w)
+    (`factor`) in float32, the result rounded to x's dtype once."""
+    if _native(x) and x.is_contiguous():
+        return torch.ops.kvchat.gemma_rms_norm(x, factor, eps)
+    return gemma_norm_reference(x, factor, eps)
+
+
+def gemma_heads_norm_(
+    x: torch.Tensor, q_factor: torch.Tensor, k_factor: torch.Tensor, q_heads: int, k_heads: int,
+    eps: float,
+) -> None:  # fmt: skip
+    """Gemma's q_norm and k_norm, in place on the fused projection's rows x [T, W]: the
+    first `q_heads` heads with q_factor, the next `k_heads` with k_factor."""
+    if _native(x) and x.stride(-1) == 1:
+        torch.ops.kvchat.gemma_heads_norm_(x, q_factor, k_factor, q_heads, k_heads, eps)
+        return
+    t, dim = x.shape[0], q_factor.shape[0]
+    q = x[:, : q_heads * dim].view(t, q_heads, dim)
+    k = x[:, q_heads * dim : (q_heads + k_heads) * dim].view(t, k_heads, dim)
+    q.copy_(gemma_norm_reference(q, q_factor, eps))
+    k.copy_(gemma_norm_reference(k, k_factor, eps))
+
+
+def gemma_add_norm(
+    h: torch.Tensor, y: torch.Tensor, post: torch.Tensor | None, pre: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + gemma_norm(y, post), gemma_norm of that with `pre`): a Gemma residual whose
+    addend is normalized first (post None: added as it is), and the next norm."""
+    if _native(h) and h.is_contiguous() and y.is_contiguous():
+        return torch.ops.kvchat.gemma_add_rms_norm(h, y, post, pre, eps)
+    h = h + (y if post is None else gemma_norm_reference(y, post, eps))
+    return h, gemma_norm_reference(h, pre, eps)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh) * up for gate_up [T, 2I] holding gate then up: Gemma's MLP middle."""
+    if _native(gate_up) and gate_up.is_contiguous():
+        return torch.ops.kvchat.gelu_tanh_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gemma_norm_reference(x: torch.Tensor, factor: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch version, as transformers writes it."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * factor).to(x.dtype)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

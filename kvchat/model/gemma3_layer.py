@@ -7,19 +7,26 @@ head, queries are scaled by `query_pre_attn_scalar` ** -0.5 rather than head_dim
 the feed-forward is GELU (tanh) of the gate times up, and five layers of six attend within
 a window, with a rotary base of their own (the caller hands each layer its cos/sin).
 
-The norms run in plain torch, as transformers writes them (`gemma_rms_norm`): kvchat's
-fused kernels compute Llama's rounding (the scale applied in the activation dtype), which
-differs from Gemma's in bf16.
+The norms round as transformers' do (the (1 + w) factor applied in float32, one rounding
+to the dtype), which differs from Llama's in bf16: they have fused kernels of their own
+(`decoder_ops.gemma_*`), so that a decode step's six norms, two residual adds and GELU are
+four calls a layer rather than about fifty torch ops.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvchat.model.batch import Attention
 from kvchat.model.config import ModelConfig
-from kvchat.model.decoder_ops import rotate_
+from kvchat.model.decoder_ops import (
+    gelu_tanh_mul,
+    gemma_add_norm,
+    gemma_heads_norm_,
+    gemma_norm,
+    gemma_norm_reference,
+    rotate_,
+)
 from kvchat.model.linear import Linear, make_linear
 
 
@@ -30,10 +37,10 @@ def gemma_multiplier(weight: torch.Tensor) -> torch.Tensor:
 
 def gemma_rms_norm(x: torch.Tensor, multiplier: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Gemma3RMSNorm over the last dimension: statistics and the (1 + w)
-    factor in float32, the result cast back to x's dtype."""
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * multiplier).to(x.dtype)
+    factor in float32, the result cast back to x's dtype (fused where it can be)."""
+    if x.dim() == 2:
+        return gemma_norm(x, multiplier, eps)
+    return gemma_norm_reference(x, multiplier, eps)
 
 
 class Gemma3Layer:
@@ -88,15 +95,16 @@ class Gemma3Layer:
         """(residual stream, this layer's normalized feed-forward output, not yet added)."""
         c = self.config
         eps = c.rms_norm_eps
-        if pending is not None:
-            h = h + pending
-        qkv = self.qkv(gemma_rms_norm(h, self.input_norm, eps))  # [T, (Hq + 2 Hkv) D]
+        if pending is None:
+            x = gemma_norm(h, self.input_norm, eps)
+        else:
+            h, x = gemma_add_norm(h, pending, None, self.input_norm, eps)
+        qkv = self.qkv(x)  # [T, (Hq + 2 Hkv) D]
         t = qkv.shape[0]
         q = qkv[:, : c.q_size].view(t, c.num_heads, c.head_dim)
         k = qkv[:, c.q_size : c.q_size + c.kv_size].view(t, c.num_kv_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size :].view(t, c.num_kv_heads, c.head_dim)
-        q.copy_(gemma_rms_norm(q, self.q_norm, eps))
-        k.copy_(gemma_rms_norm(k, self.k_norm, eps))
+        gemma_heads_norm_(qkv, self.q_norm, self.k_norm, c.num_heads, c.num_kv_heads, eps)
         rotate_(qkv, cos, sin, c.num_heads + c.num_kv_heads)  # q and k, in place
         if self.query_factor is not None:
             q.mul_(self.query_factor)
@@ -105,7 +113,6 @@ class Gemma3Layer:
         else:
             attn = attention(index, q, k, v, window=self.window)
         out = self.o(attn.reshape(t, c.q_size))
-        h = h + gemma_rms_norm(out, self.post_attention_norm, eps)
-        gate, up = self.gate_up(gemma_rms_norm(h, self.pre_feedforward_norm, eps)).chunk(2, -1)  # type: ignore[misc]
-        mlp = self.down(F.gelu(gate, approximate="tanh") * up)  # type: ignore[misc]
-        return h, gemma_rms_norm(mlp, self.post_feedforward_norm, eps)
+        h, x = gemma_add_norm(h, out, self.post_attention_norm, self.pre_feedforward_norm, eps)
+        mlp = self.down(gelu_tanh_mul(self.gate_up(x)))  # type: ignore[misc]
+        return h, gemma_norm(mlp, self.post_feedforward_norm, eps)

@@ -27,12 +27,13 @@ from kvchat.model.batch import Attention, ForwardBatch, FreshStates, RecurrentSt
 from kvchat.model.config import ModelConfig
 from kvchat.model.decoder_ops import (
     add_rms_norm,
+    gemma_add_norm,
     rms_norm_reference,
     rotary_reference,
     rotate_,
     silu_mul,
 )
-from kvchat.model.gemma3_layer import Gemma3Layer, gemma_multiplier, gemma_rms_norm
+from kvchat.model.gemma3_layer import Gemma3Layer, gemma_multiplier
 from kvchat.model.linear import (
     Linear,
     StackedLinear,
@@ -304,7 +305,7 @@ class Transformer:
         """The final norm and the LM head, only at `rows` (where logits are needed)."""
         c = self.config
         if c.unit_offset_norms:
-            h = gemma_rms_norm(h[rows] + pending[rows], self.norm, c.rms_norm_eps)
+            _, h = gemma_add_norm(h[rows], pending[rows], None, self.norm, c.rms_norm_eps)
         else:
             _, h = add_rms_norm(h[rows], pending[rows], self.norm, c.rms_norm_eps)
         logits = self.lm_head(h).float()  # [N, vocab]
