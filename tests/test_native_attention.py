@@ -341,6 +341,16 @@ def test_prefill_chunks_go_to_the_kernel_only_where_it_was_measured_faster(
     assert native_attention.serves_chunks(dtype, quantized) is expected
 
 
+def test_the_decode_loop_streams_one_row_on_amd_and_four_elsewhere(monkeypatch) -> None:
+    """The choice reaches the compiler (and so the build's cache key)."""
+    assert native_build.stream_rows("AuthenticAMD") == 1
+    assert native_build.stream_rows("GenuineIntel") == native_build.stream_rows("") == 4
+    for vendor, rows in (("AuthenticAMD", 1), ("GenuineIntel", 4)):
+        monkeypatch.setattr(native_build, "cpu_vendor", lambda vendor=vendor: vendor)
+        flags = native_build._compile_flags(native_build.Path(torch.__file__).parent)
+        assert f"-DKVCHAT_STREAM_ROWS={rows}" in flags
+
+
 def test_cpu_flags_come_from_the_cpuinfo_line(monkeypatch) -> None:
     monkeypatch.setattr(native_build, "_cpu_signature", lambda: "flags\t\t: fpu avx512_bf16 sse\n")
     assert native_build.cpu_flags() == {"fpu", "avx512_bf16", "sse"}

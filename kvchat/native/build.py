@@ -111,6 +111,26 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD; empty where
+    it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def stream_rows(vendor: str) -> int:
+    """Weight rows the quantized decode loop streams at once (`quantized_matmul.cpp`): one
+    on AMD's cores, which read one sequential stream fastest, four elsewhere (measured on
+    each: docs/kernels.md)."""
+    return 1 if vendor == "AuthenticAMD" else 4
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo names them (empty where it cannot be read):
     which kernel is fastest for a shape depends on them (`native_attention`)."""
@@ -143,6 +163,7 @@ def _compile_flags(torch_dir: Path) -> list[str]:
         "-fopenmp",  # at::parallel_for is OpenMP in torch builds; joins torch's own pool
         "-fPIC",
         "-w",
+        f"-DKVCHAT_STREAM_ROWS={stream_rows(cpu_vendor())}",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         f"-I{torch_dir / 'include'}",
         f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",

@@ -183,10 +183,20 @@ inline void unpack_q8(const uint8_t* p, Vec* q) {
 #endif
 
 constexpr int kPerGroup = kGroup / kLanes;  // vectors a group fills
-// Weight rows a fused pass takes at once for one activation row: as many as leave the
+// Weight rows a decode pass streams at once with AVX-512 (the float and the bf16 paths),
+// set per kind of CPU by kvchat/native/build.py: on Intel's, four rows (four streams in
+// flight, and as many independent multiply-add chains) were fastest; on AMD's Zen 4 one
+// row, one sequential stream, reads a large matrix from memory 1.5x faster (measured:
+// docs/kernels.md).
+#ifndef KVCHAT_STREAM_ROWS
+#define KVCHAT_STREAM_ROWS 4
+#endif
+constexpr int kStreamRows = KVCHAT_STREAM_ROWS;
+static_assert(kStreamRows == 1 || kStreamRows == 2 || kStreamRows == 4, "1, 2 or 4 rows a pass");
+// Weight rows a fused pass takes at once for one activation row: no more than leave the
 // accumulators, the activations and a dequantized group in registers (32 with
 // AVX-512, 16 with AVX2).
-constexpr int kFusedWeightRows = kLanes == 16 ? 4 : 2;
+constexpr int kFusedWeightRows = kLanes == 16 ? kStreamRows : 2;
 
 // What differs between the formats: a group's bytes, how they unpack, whether an
 // offset is added, how many scales a group has (each covering kGroup / kScales weights).
@@ -701,7 +711,7 @@ template <typename B, typename S>
 void bf16_matmul_rows(const uint8_t* codes, const Scales<S>& scales, const Scales<S>& offsets,
                       int64_t groups, const uint16_t* xs, const float* sums, int64_t m,
                       int64_t begin, int64_t end, int64_t n, float* out) {
-  constexpr int W = 4;
+  constexpr int W = kStreamRows;
   const int64_t scales_n = groups * B::kScalesPerGroup, padded = (scales_n + 15) / 16 * 16;
   const int64_t x_row = B::units(groups) * B::kVectors * 32;
   for (int64_t row = begin; row < end;) {
