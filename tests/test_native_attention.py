@@ -126,18 +126,30 @@ def test_kernel_matches_float64_reference(case, head_dim, dtype, kv_int8) -> Non
     )
 
 
+WINDOW_CASES = [
+    # (query lens, context lens): decodes (the window's start mid-page, a window longer
+    # than a work item's split, a context inside its window); chunks whose rows' windows
+    # start apart (few rows, and more than 32 rows: every kernel path), a chunk inside
+    # its window beside a decode past it
+    ((1, 1, 1, 1), (700, 1300, 40, 513)),
+    ((2, 1), (600, 259)),
+    ((20, 3), (900, 530)),
+    ((12, 1), (30, 800)),
+]
+
+
 @pytest.mark.usefixtures("kernel")
+@pytest.mark.parametrize("case", range(len(WINDOW_CASES)))
 @pytest.mark.parametrize("head_dim", [16, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_int8", [False, True])
-def test_a_windowed_decode_reads_only_its_window(head_dim, dtype, kv_int8) -> None:
-    """Decodes of a sliding-window layer: each sequence's one query sees its last `window`
-    tokens (a context within its window sees all of it); the window's start mid-page, a
-    window longer than a work item's split, and a context inside its window."""
-    query_lens, context_lens, page_size = (1, 1, 1, 1), (700, 1300, 40, 513), 16
+def test_a_window_bounds_each_query(case, head_dim, dtype, kv_int8) -> None:
+    """A sliding-window layer's attention: a query at p sees keys p - window + 1 to p."""
+    query_lens, context_lens = WINDOW_CASES[case]
+    page_size = 16
     for window in (5, 512):
         q, k, v, ks, vs, page_lists = _case(
-            window, dtype, head_dim, page_size, query_lens, context_lens, kv_int8
+            window + case, dtype, head_dim, page_size, query_lens, context_lens, kv_int8
         )
         tables = _tables(page_lists, query_lens, context_lens)
         out = native_attention.paged_attention(
@@ -151,16 +163,7 @@ def test_a_windowed_decode_reads_only_its_window(head_dim, dtype, kv_int8) -> No
         assert torch.allclose(out.double(), expected, atol=tol, rtol=tol), (
             (out.double() - expected).abs().max()
         )
-        assert not torch.allclose(full[0], expected[0], atol=0.05)  # the window mattered
-
-
-@pytest.mark.usefixtures("kernel")
-def test_a_window_is_refused_for_several_new_tokens() -> None:
-    q, k, v, ks, vs, page_lists = _case(0, torch.float32, 16, 16, (3,), (100,))
-    with pytest.raises(RuntimeError, match="a window is for decodes"):
-        native_attention.paged_attention(
-            q, k, v, ks, vs, *_tables(page_lists, (3,), (100,)), 16, 0.25, window=50
-        )
+        assert not torch.allclose(full, expected, atol=0.05)  # the window mattered
 
 
 @pytest.mark.usefixtures("kernel")

@@ -182,6 +182,11 @@ template <typename T>
 inline V16 vconvert(const T* p) { V16 r; for (int i = 0; i < 16; ++i) r.x[i] = kvchat::widen(p[i]); return r; }
 #endif
 
+// a where lo <= t <= hi (lane by lane: a token within a row's window and causal bound), else b
+inline V16 seen(V16 t, V16 lo, V16 hi, V16 a, V16 b) {
+  return vselect_le(lo, t, vselect_le(t, hi, a, b), b);
+}
+
 #if defined(__AVX512BF16__)
 // Lane j of the result: the sum of a[j]'s 16 lanes (16 horizontal sums as one transpose).
 inline __m512 sum_each16(const __m512* a) {
@@ -231,6 +236,10 @@ struct Kernel {
   const int64_t* ctx_lens;      // [B]
   int64_t page_shift, hkv, hq, group;
   float scale;
+  int64_t window = 0;  // a sliding window's size (0: none): a row at p sees from p - window + 1
+
+  // The first context position a row whose last is `pos` sees.
+  inline int64_t first_seen(int64_t pos) const { return window > 0 ? pos - window + 1 : 0; }
 
   // The store slot of context token t of a sequence whose page list is `seq_pages`.
   inline int64_t slot(const int64_t* seq_pages, int64_t t) const {
@@ -264,18 +273,20 @@ struct Kernel {
     const int64_t R = w.rows;
     const int64_t* seq_pages = pages + page_starts[w.seq];
     alignas(64) float qt[D][16] = {};  // queries transposed, prescaled; unused lanes zero
-    alignas(64) float posf[16];
+    alignas(64) float posf[16], lof[16];
     int64_t last_pos = 0;
     for (int64_t i = 0; i < 16; ++i) {
       if (i >= lanes) {
         posf[i] = -1.f;  // sees nothing
+        lof[i] = 0.f;
         continue;
       }
       const QT* src = query_row(w, w.row0 + r0 + i, last_pos);
       for (int d = 0; d < D; ++d) qt[d][i] = widen(src[d]) * scale;
       posf[i] = static_cast<float>(last_pos);
+      lof[i] = static_cast<float>(first_seen(last_pos));
     }
-    const V16 pos = vload(posf);
+    const V16 pos = vload(posf), lo = vload(lof);
     const V16 no_score = vset1(kNoScore), zero = vset1(0.f);
     V16 m = no_score, l = zero;
     alignas(64) float acc[D][16] = {};
@@ -304,7 +315,7 @@ struct Kernel {
         }
         for (int u = 0; u < 8; ++u) {
           const V16 t = vset1(static_cast<float>(t0 + j0 + u));
-          const V16 sc = j0 + u < T ? vselect_le(t, pos, a[u], no_score) : no_score;
+          const V16 sc = j0 + u < T ? seen(t, lo, pos, a[u], no_score) : no_score;
           vstore(p[j0 + u], sc);
           tile_max = vmax(tile_max, sc);
         }
@@ -314,7 +325,7 @@ struct Kernel {
       V16 tile_sum = zero;
       for (int64_t j = 0; j < T; ++j) {
         const V16 t = vset1(static_cast<float>(t0 + j));
-        const V16 e = vselect_le(t, pos, vexp(vsub(vload(p[j]), m_new)), zero);
+        const V16 e = seen(t, lo, pos, vexp(vsub(vload(p[j]), m_new)), zero);
         vstore(p[j], e);
         tile_sum = vadd(tile_sum, e);
       }
@@ -401,7 +412,9 @@ struct Kernel {
           dots[j] = a;
         }
         const int64_t visible = std::max<int64_t>(0, std::min(T, pos[r] - t0 + 1));
-        const __mmask16 keep = static_cast<__mmask16>((uint32_t{1} << visible) - 1);
+        const int64_t before = std::clamp<int64_t>(first_seen(pos[r]) - t0, 0, 16);
+        const __mmask16 keep = static_cast<__mmask16>(((uint32_t{1} << visible) - 1) &
+                                                      ~((uint32_t{1} << before) - 1));
         const V16 sc = _mm512_mask_blend_ps(keep, no_score, vmul(sum_each16(dots), scale_v));
         const float m_new = std::max(mx[r], vhmax(sc));
         const V16 e = _mm512_maskz_mov_ps(keep, vexp(vsub(sc, vset1(m_new))));
@@ -446,23 +459,27 @@ struct Kernel {
     const int64_t* seq_pages = pages + page_starts[w.seq];
     // block b, lane i: row r0 + 16 b + i's (q[2p], q[2p+1]); lanes past the rows zero
     alignas(64) uint32_t qp[NB][kPairs][16] = {};
-    alignas(64) float posf[NB][16];
+    alignas(64) float posf[NB][16], lof[NB][16];
     int64_t last_pos = 0;
     for (int b = 0; b < NB; ++b) {
       for (int64_t i = 0; i < 16; ++i) {
         const int64_t row = r0 + 16 * b + i;
         if (row >= R) {
           posf[b][i] = -1.f;  // sees nothing
+          lof[b][i] = 0.f;
           continue;
         }
         const QT* src = query_row(w, w.row0 + row, last_pos);
         for (int p = 0; p < kPairs; ++p) std::memcpy(&qp[b][p][i], src + 2 * p, sizeof(uint32_t));
         posf[b][i] = static_cast<float>(last_pos);
+        lof[b][i] = static_cast<float>(first_seen(last_pos));
       }
     }
-    V16 pos[NB], m[NB], l[NB];
+    V16 pos[NB], first[NB], m[NB], l[NB];
     const V16 no_score = vset1(kNoScore), zero = vset1(0.f), scale_v = vset1(scale);
-    for (int b = 0; b < NB; ++b) pos[b] = vload(posf[b]), m[b] = no_score, l[b] = zero;
+    for (int b = 0; b < NB; ++b) {
+      pos[b] = vload(posf[b]), first[b] = vload(lof[b]), m[b] = no_score, l[b] = zero;
+    }
     alignas(64) float acc[NB][D][16] = {};
     alignas(64) float p[NB][kTile][16];
     alignas(64) uint32_t pp[NB][kTile / 2][16];  // lane i: row i's (p[2j], p[2j+1]) as bf16
@@ -511,7 +528,7 @@ struct Kernel {
           for (int u = 0; u < 8; ++u) {
             const V16 t = vset1(static_cast<float>(t0 + j0 + u));
             const V16 sc =
-                j0 + u < T ? vselect_le(t, pos[b], vmul(a[b][u], scale_v), no_score) : no_score;
+                j0 + u < T ? seen(t, first[b], pos[b], vmul(a[b][u], scale_v), no_score) : no_score;
             vstore(p[b][j0 + u], sc);
             tile_max[b] = vmax(tile_max[b], sc);
           }
@@ -527,7 +544,7 @@ struct Kernel {
           for (int h = 0; h < 2; ++h) {
             const int64_t j = 2 * jp + h;
             const V16 t = vset1(static_cast<float>(t0 + j));
-            e[h] = j < T ? vselect_le(t, pos[b], vexp(vsub(vload(p[b][j]), m_new)), zero) : zero;
+            e[h] = j < T ? seen(t, first[b], pos[b], vexp(vsub(vload(p[b][j]), m_new)), zero) : zero;
             tile_sum = vadd(tile_sum, e[h]);
           }
           // (e0[i], e1[i]) as bf16 pairs: e0 in the low 16 values, e1 in the high, interleaved
@@ -671,15 +688,18 @@ struct Kernel {
       for (int64_t j = 0; j < T; ++j) load_row(v, v_scale, slots[j], w.head, vrow[j]);
       for (int64_t r = 0; r < R; ++r) {
         const int64_t visible = std::min<int64_t>(T, pos[r] - t0 + 1);  // causal bound
-        if (visible <= 0) continue;
+        const int64_t before = std::clamp<int64_t>(first_seen(pos[r]) - t0, 0, T);  // window
+        if (visible <= before) continue;
         float* __restrict sr = s[r];
+        for (int64_t j = 0; j < before; ++j) sr[j] = kNoScore;
         for (int64_t j = visible; j < kTile; ++j) sr[j] = kNoScore;
         const float m_new = std::max(mx[r], vhmax(vmax(vload(sr), vload(sr + 16))));
         const V16 m_vec = vset1(m_new);
         const V16 p0 = vexp(vsub(vload(sr), m_vec));
         const V16 p1 = vexp(vsub(vload(sr + 16), m_vec));
         vstore(sr, p0), vstore(sr + 16, p1);
-        for (int64_t j = visible; j < kTile; ++j) sr[j] = 0.f;  // masked: exactly nothing
+        for (int64_t j = 0; j < before; ++j) sr[j] = 0.f;  // masked: exactly nothing
+        for (int64_t j = visible; j < kTile; ++j) sr[j] = 0.f;
         const float correction = std::exp(mx[r] - m_new);
         mx[r] = m_new;
         sum[r] = sum[r] * correction + vsum(vload(sr)) + vsum(vload(sr + 16));
@@ -687,7 +707,7 @@ struct Kernel {
         V16 av[kVecs];
         const V16 corr = vset1(correction);
         for (int c = 0; c < kVecs; ++c) av[c] = vmul(vload(a + 16 * c), corr);
-        for (int64_t j = 0; j < visible; ++j) {
+        for (int64_t j = before; j < visible; ++j) {
           const V16 p = vset1(sr[j]);
           for (int c = 0; c < kVecs; ++c) av[c] = vfma(p, vload(vrow[j] + 16 * c), av[c]);
         }
@@ -729,6 +749,7 @@ void attend_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   kern.hq = hq;
   kern.group = group;
   kern.scale = static_cast<float>(scale);
+  kern.window = window;
 
   // Work items: (sequence, kv head, row block, context split). A sequence whose rows fit
   // in one block gets its context split so that even one long decode fills every core.
@@ -739,11 +760,9 @@ void attend_typed(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const int64_t n = kern.q_starts[b + 1] - kern.q_starts[b];
     const int64_t L = kern.ctx_lens[b];
     const int64_t rows = n * group;
-    // A sliding window: a decode's one query sees the last `window` tokens, so its
-    // context simply starts later (several queries would each need a bound of their own).
-    TORCH_CHECK(window <= 0 || n == 1 || L <= window,
-                "kvchat attention: a window is for decodes (one new token a sequence)");
-    const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+    // A sliding window: the context is read from the first query's window on, and each
+    // row masks what lies before its own (`first_seen`).
+    const int64_t start = window > 0 ? std::max<int64_t>(0, L - n - window + 1) : 0;
     const int64_t splits =
         std::max<int64_t>(1, (L - start + kSplitTokens - 1) / kSplitTokens);
     for (int64_t h = 0; h < hkv; ++h) {

@@ -62,8 +62,8 @@ def paged_attention(
     `new_kv` (k_new, v_new, slots), for bf16/fp32 stores: the new tokens' K/V `[T, Hkv,
     D]` (each token's values contiguous), stored at `slots` before attending.
 
-    `window`: a sliding-window layer's, for decodes only (one new token a sequence whose
-    context outgrows the window): each sequence attends to its last `window` tokens.
+    `window`: a sliding-window layer's: a query at position p sees keys from
+    p - window + 1 on.
     """
     k_new, v_new, slots = new_kv if new_kv is not None else (None, None, None)
     return torch.ops.kvchat.paged_attention(

@@ -25,8 +25,10 @@ A sliding-window layer (Gemma 3's, gpt-oss's) whose sequences all fit their wind
 full attention and takes the paths above. Once a context outgrows the window, that layer
 reads each sequence's last `window - 1` positions before its first new token and its
 new tokens, gathered, in one masked call (`_attend_gathered`): at decode a window's
-worth of keys, not the whole context; decodes through the kernel give it the window,
-and each sequence's context starts at its window, read in place. A layer with attention
+worth of keys, not the whole context. Where the kernel serves every sequence of the
+step (decodes, and chunks where it serves chunks), it is given the window: each
+sequence's context is read in place from its first query's window on, and each row
+masks what lies before its own. A layer with attention
 sinks (gpt-oss) always takes the gathered path: its softmax has a column no kernel here
 computes (`batch.reference_attention`).
 
@@ -343,10 +345,8 @@ class PagedAttention:
         all_native = self._native is not None and self._native_rows is None
         if window is not None and max(self._batch.context_lens) <= window:
             window = None  # every sequence fits its window: full attention
-        # the kernel takes a window for decodes only (one query a sequence)
-        if sinks is not None or (
-            window is not None and not (all_native and self._batch.is_decode_only)
-        ):
+        # a window goes to the kernel where it serves every sequence of the step
+        if sinks is not None or (window is not None and not all_native):
             self._write(k_flat, k)
             self._write(v_flat, v)
             return self._attend_gathered(q, k_flat, v_flat, window, sinks)
