@@ -54,6 +54,24 @@ def test_int4_path_matches_the_dequantized_path(tmp_path, qtype, native_kernels)
     assert rel_err(logits_in_small_chunks(native16, ids), exact) <= 1.5 * theirs + 2e-2
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K_M"])  # a Q8_0 and a Q6_K token_embd
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tied_eight_bit_head_serves_the_embedding_rows(tmp_path, qtype, dtype, native_kernels):
+    """The tied head's codes are the embedding table: every row the file's exact weights,
+    equal bit for bit to the dense table kvchat converted the file to (which stays
+    unread), and the logits the same as through that table."""
+    path = write_tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype)
+    model = load_model(str(path), dtype=str(dtype).removeprefix("torch."), device="cpu")
+    t = model.transformer
+    assert t.embed_codes is t.lm_head and isinstance(t.lm_head, Q8Linear)
+    every = torch.arange(model.config.vocab_size)
+    assert torch.equal(t.embed_codes.rows(every).to(dtype), t.embed)
+    ids = ids_for(model, 20)
+    through_codes = kvchat_logits(model, ids, paged=True)
+    t.embed_codes = None
+    assert torch.equal(kvchat_logits(model, ids, paged=True), through_codes)
+
+
 def test_a_q4_k_m_files_six_bit_matrices_stay_eight_bit_and_exact(tmp_path, native_kernels):
     """llama-quantize's Q4_K_M keeps attn_v, ffn_down and the head in Q6_K: those become
     8-bit codes with the file's scale per 16 (not a dense copy), q/k/v a stack of a 4-bit

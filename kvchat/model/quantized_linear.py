@@ -359,11 +359,18 @@ class Q8Linear(_KernelLinear):
         )
 
     def dequantized(self) -> torch.Tensor:
-        n, k = self.codes.shape
+        return self.rows(torch.arange(self.out_features))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the float32 weight: a tied head's codes serve as the embedding
+        table too, so the table is never dequantized whole (a Gemma's 262,144 rows are
+        320 MiB in bf16, more than the whole 4-bit file)."""
         groups = self.scales.shape[1]
-        codes = self.codes.view(torch.int8).float().reshape(n, groups, k // groups)
-        scales = expanded(self.scales, self.scale_supers)
-        return (codes * scales[..., None]).reshape(n, k)
+        codes = self.codes[ids].view(torch.int8).float()
+        codes = codes.reshape(len(ids), groups, self.in_features // groups)
+        supers = None if self.scale_supers is None else self.scale_supers[ids]
+        scales = expanded(self.scales[ids], supers)
+        return (codes * scales[..., None]).reshape(len(ids), self.in_features)
 
     @classmethod
     def fused(cls, parts: list[tuple[torch.Tensor, ...]], **kw) -> Q8Linear:

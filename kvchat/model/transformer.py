@@ -41,6 +41,7 @@ from kvchat.model.linear import (
     make_linear,
     slot_names,
 )
+from kvchat.model.quantized_linear import Q8Linear
 from kvchat.model.qwen35_layer import Qwen35Layer
 from kvchat.model.read_ahead import read_ahead
 from kvchat.model.rope import RotaryTable, longrope_set
@@ -152,6 +153,16 @@ class Transformer:
         self.lm_head: Linear = weights.get("lm_head") or make_linear(
             [weights.get("lm_head.weight", self.embed)]
         )
+        # A tied head kept at 8 bits (a GGUF's token_embd) is the embedding table too:
+        # rows are looked up in its codes, and the dense table (mapped from the converted
+        # file) is never read, so never resident.
+        self.embed_codes = (
+            self.lm_head
+            if isinstance(self.lm_head, Q8Linear)
+            and "lm_head.weight" not in weights
+            and self.embed.device.type == "cpu"
+            else None
+        )
         self.norm = weights["model.norm.weight"]
         if config.unit_offset_norms:  # (1 + w), float32
             self.norm = gemma_multiplier(self.norm)
@@ -168,7 +179,8 @@ class Transformer:
                 linear.prepack()  # after the loader cached any quantized layers (see `Linear`)
         if self.device.type == "cpu":
             self._gather_into_huge_pages()
-            read_ahead(self.embed)  # where it is mapped from a file: see `read_ahead`
+            if self.embed_codes is None:
+                read_ahead(self.embed)  # where it is mapped from a file: see `read_ahead`
         self.max_positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryTable(config, self.max_positions, self.dtype, self.device)
         self.rotary_set = longrope_set(config, self.max_positions)
@@ -225,7 +237,9 @@ class Transformer:
     def weight_bytes(self) -> int:
         """Bytes of memory the weights hold (each storage once: a tied head, the huge-page
         arena's views and a layer's dense copy are counted as what they occupy)."""
-        tensors = [self.embed, self.norm, *self.rotary_tensors()]
+        tensors = [self.norm, *self.rotary_tensors()]
+        if self.embed_codes is None:  # else the head's codes, counted with the head
+            tensors.append(self.embed)
         for layer in self.layers:
             tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
             if layer.experts is not None:
@@ -279,7 +293,10 @@ class Transformer:
         A hybrid model's linear-attention layers read and write each run's state in
         `states` (None: every run from zeros, a whole prompt); the others ignore it."""
         c = self.config
-        h = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        if self.embed_codes is not None:
+            h = self.embed_codes.rows(batch.input_ids).to(self.dtype)  # [T, hidden]
+        else:
+            h = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
         if c.gemma:  # scaled by sqrt(hidden), the factor rounded to the dtype first
             h = h * torch.tensor(c.hidden_size**0.5, dtype=h.dtype)
         cos, sin = self.rotary.lookup(batch.positions)
