@@ -70,3 +70,13 @@ def test_the_engine_trims_after_a_long_prompt(tiny_llama_dir, monkeypatch) -> No
             assert c.wait().reason.value in ("stop", "length")
             engine.run_until_idle()
             assert len(calls) == (0 if n < LONG_STEP_ROWS else 1)
+
+
+def test_loading_a_model_gives_back_what_it_freed(tiny_llama_dir, monkeypatch) -> None:
+    """The prepared layers' copies are freed once the arena holds them: trimmed at once."""
+    from kvchat.model import loader
+
+    calls: list[int] = []
+    monkeypatch.setattr(loader, "glibc_malloc_trim", lambda: lambda: calls.append(1))
+    load_model(str(tiny_llama_dir), dtype="float32", device="cpu")
+    assert calls == [1]

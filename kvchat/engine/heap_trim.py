@@ -14,26 +14,15 @@ buffers, and a trim between them would make the next one fault its pages in agai
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections.abc import Callable
+
+from kvchat.malloc_trim import glibc_malloc_trim
 
 log = logging.getLogger(__name__)
 
 # Steps of this many rows or more leave enough freed memory behind to be worth a trim.
 LONG_STEP_ROWS = 256
-
-
-def glibc_malloc_trim() -> Callable[[], None] | None:
-    """`malloc_trim(0)` of the C library this process runs on; None where there is none
-    (musl, macOS, Windows: their allocators return memory on their own terms)."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError, TypeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return lambda: trim(0)
 
 
 class HeapTrim:
