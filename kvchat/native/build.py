@@ -126,8 +126,8 @@ def cpu_vendor() -> str:
 
 def stream_rows(vendor: str) -> int:
     """Weight rows the quantized decode loop streams at once (`quantized_matmul.cpp`): one
-    on AMD's cores, which read one sequential stream fastest, four elsewhere (measured on
-    each: docs/kernels.md)."""
+    on AMD's cores, which read one sequential stream fastest, four elsewhere (two where
+    the build is AVX2's; measured on each: docs/kernels.md)."""
     return 1 if vendor == "AuthenticAMD" else 4
 
 

@@ -183,11 +183,11 @@ inline void unpack_q8(const uint8_t* p, Vec* q) {
 #endif
 
 constexpr int kPerGroup = kGroup / kLanes;  // vectors a group fills
-// Weight rows a decode pass streams at once with AVX-512 (the float and the bf16 paths),
-// set per kind of CPU by kvchat/native/build.py: on Intel's, four rows (four streams in
-// flight, and as many independent multiply-add chains) were fastest; on AMD's Zen 4 one
-// row, one sequential stream, reads a large matrix from memory 1.5x faster (measured:
-// docs/kernels.md).
+// Weight rows a decode pass streams at once (the float and the bf16 paths), set per kind
+// of CPU by kvchat/native/build.py: on Intel's, four rows with AVX-512 and two with AVX2
+// (streams in flight, and as many independent multiply-add chains) were fastest; on
+// AMD's Zen 4 one row, one sequential stream, reads a large matrix from memory 1.5x
+// faster, with either instruction set (measured: docs/kernels.md).
 #ifndef KVCHAT_STREAM_ROWS
 #define KVCHAT_STREAM_ROWS 4
 #endif
@@ -195,8 +195,8 @@ constexpr int kStreamRows = KVCHAT_STREAM_ROWS;
 static_assert(kStreamRows == 1 || kStreamRows == 2 || kStreamRows == 4, "1, 2 or 4 rows a pass");
 // Weight rows a fused pass takes at once for one activation row: no more than leave the
 // accumulators, the activations and a dequantized group in registers (32 with
-// AVX-512, 16 with AVX2).
-constexpr int kFusedWeightRows = kLanes == 16 ? kStreamRows : 2;
+// AVX-512, 16 with AVX2: two rows at most).
+constexpr int kFusedWeightRows = kLanes == 16 ? kStreamRows : std::min(kStreamRows, 2);
 
 // What differs between the formats: a group's bytes, how they unpack, whether an
 // offset is added, how many scales a group has (each covering kGroup / kScales weights).
