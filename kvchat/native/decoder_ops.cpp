@@ -153,15 +153,16 @@ void silu_mul_row(const T* gate, const T* up, T* out, int64_t width) {
   for (; j < width; ++j) out[j] = narrow<T>(rounded<T>(silu(widen(gate[j]))) * widen(up[j]));
 }
 
-template <typename T>
-void silu_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
+// act(gate) * up for every row of gate_up [rows, 2 * width] (gate then up), by `row`.
+template <typename T, typename Row>
+void gated_kernel(const at::Tensor& gate_up, at::Tensor& out, Row row) {
   const int64_t width = out.size(1);
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
   for_rows(out.size(0), width, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = gp + r * 2 * width;
-      silu_mul_row(gate, gate + width, op + r * width, width);
+      row(gate, gate + width, op + r * width, width);
     }
   });
 }
@@ -237,19 +238,6 @@ void gelu_mul_row(const T* gate, const T* up, T* out, int64_t width) {
   for (; j < width; ++j) out[j] = narrow<T>(rounded<T>(gelu_tanh(widen(gate[j]))) * widen(up[j]));
 }
 
-template <typename T>
-void gelu_mul_kernel(const at::Tensor& gate_up, at::Tensor& out) {
-  const int64_t width = out.size(1);
-  const T* gp = gate_up.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  for_rows(out.size(0), width, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* gate = gp + r * 2 * width;
-      gelu_mul_row(gate, gate + width, op + r * width, width);
-    }
-  });
-}
-
 template <typename F>
 void dispatch_dtype(const at::Tensor& x, const char* op, const F& body) {
   if (x.scalar_type() == at::kBFloat16) {
@@ -314,7 +302,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "silu_mul input");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: [rows, 2 * width]");
   at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  dispatch_dtype(gate_up, "silu_mul", [&](auto t) { silu_mul_kernel<decltype(t)>(gate_up, out); });
+  dispatch_dtype(gate_up, "silu_mul", [&](auto t) {
+    using T = decltype(t);
+    gated_kernel<T>(gate_up, out, silu_mul_row<T>);
+  });
   return out;
 }
 
@@ -396,7 +387,8 @@ at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gelu_tanh_mul: [rows, 2 * width]");
   at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
   dispatch_dtype(gate_up, "gelu_tanh_mul", [&](auto t) {
-    gelu_mul_kernel<decltype(t)>(gate_up, out);
+    using T = decltype(t);
+    gated_kernel<T>(gate_up, out, gelu_mul_row<T>);
   });
   return out;
 }
