@@ -82,50 +82,37 @@ QWEN2_5_1_5B = ModelShape(
     },
 )
 
-GEMMA_3_1B = ModelShape(
-    "gemma-3-1b",
-    "google/gemma-3-1b-it",
-    "Gemma3TextConfig",
-    {
-        "vocab_size": 262144,
-        "hidden_size": 1152,
-        "intermediate_size": 6912,
-        "num_hidden_layers": 26,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 1,
-        "head_dim": 256,
-        "max_position_embeddings": 32768,
-        "sliding_window": 512,
-        "query_pre_attn_scalar": 256,
-        "rms_norm_eps": 1e-6,
-        "bos_token_id": 2,
-        "eos_token_id": 106,
+# what Gemma 3's text models share (its 262,144-token vocabulary, four query heads and
+# one kv head of 256, windows of 512 in five layers of six)
+_GEMMA_3 = {
+    "vocab_size": 262144,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "max_position_embeddings": 32768,
+    "sliding_window": 512,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
     },
-)
+    "bos_token_id": 2,
+    "eos_token_id": 106,
+}
 
 GEMMA_3_270M = ModelShape(
     "gemma-3-270m",
     "google/gemma-3-270m-it",
     "Gemma3TextConfig",
-    {
-        "vocab_size": 262144,
-        "hidden_size": 640,
-        "intermediate_size": 2048,
-        "num_hidden_layers": 18,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 1,
-        "head_dim": 256,
-        "max_position_embeddings": 32768,
-        "sliding_window": 512,
-        "query_pre_attn_scalar": 256,
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": {
-            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        },
-        "bos_token_id": 2,
-        "eos_token_id": 106,
-    },
+    {**_GEMMA_3, "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18},
+)
+
+GEMMA_3_1B = ModelShape(
+    "gemma-3-1b",
+    "google/gemma-3-1b-it",
+    "Gemma3TextConfig",
+    {**_GEMMA_3, "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26},
 )
 
 # Qwen3-30B-A3B's 48 layers cut to 2: the bf16 weights, which transformers holds and the
