@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace {
@@ -54,16 +55,22 @@ void for_rows(int64_t rows, int64_t width, const F& body) {
   }
 }
 
-// transformers' LlamaRMSNorm: float32 statistics, x * inv rounded to the dtype, then
-// times the weight in the dtype.
+// 1 / sqrt(mean(x^2) + eps) of a row, in float32.
 template <typename T>
-void norm_row(const T* x, const T* weight, T* out, int64_t width, float eps) {
+float inverse_rms(const T* x, int64_t width, float eps) {
   float squares = 0.f;
   for (int64_t i = 0; i < width; ++i) {
     const float v = widen(x[i]);
     squares += v * v;
   }
-  const float inv = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
+  return 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
+}
+
+// transformers' LlamaRMSNorm: float32 statistics, x * inv rounded to the dtype, then
+// times the weight in the dtype.
+template <typename T>
+void norm_row(const T* x, const T* weight, T* out, int64_t width, float eps) {
+  const float inv = inverse_rms(x, width, eps);
   for (int64_t i = 0; i < width; ++i) {
     out[i] = narrow<T>(widen(weight[i]) * rounded<T>(widen(x[i]) * inv));
   }
@@ -172,12 +179,7 @@ void gated_kernel(const at::Tensor& gate_up, at::Tensor& out, Row row) {
 // first and multiplies in the dtype).
 template <typename T>
 void gemma_norm_row(const T* x, const float* factor, T* out, int64_t width, float eps) {
-  float squares = 0.f;
-  for (int64_t i = 0; i < width; ++i) {
-    const float v = widen(x[i]);
-    squares += v * v;
-  }
-  const float inv = 1.f / std::sqrt(squares / static_cast<float>(width) + eps);
+  const float inv = inverse_rms(x, width, eps);
   for (int64_t i = 0; i < width; ++i) out[i] = narrow<T>((widen(x[i]) * inv) * factor[i]);
 }
 
@@ -298,15 +300,20 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t
   dispatch_dtype(x, "rotary", [&](auto t) { rotary_kernel<decltype(t)>(x, cos, sin, heads); });
 }
 
-at::Tensor silu_mul(const at::Tensor& gate_up) {
-  check_rows(gate_up, "silu_mul input");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: [rows, 2 * width]");
+// act(gate) * up of gate_up [rows, 2 * width]: `row_of(T{})` is the row function for T.
+template <typename RowOf>
+at::Tensor gated(const at::Tensor& gate_up, const char* op, RowOf row_of) {
+  check_rows(gate_up, (std::string(op) + " input").c_str());
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, op, ": [rows, 2 * width]");
   at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  dispatch_dtype(gate_up, "silu_mul", [&](auto t) {
-    using T = decltype(t);
-    gated_kernel<T>(gate_up, out, silu_mul_row<T>);
+  dispatch_dtype(gate_up, op, [&](auto t) {
+    gated_kernel<decltype(t)>(gate_up, out, row_of(t));
   });
   return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  return gated(gate_up, "silu_mul", [](auto t) { return silu_mul_row<decltype(t)>; });
 }
 
 void check_factor(const at::Tensor& factor, int64_t width, const char* op) {
@@ -383,14 +390,7 @@ std::tuple<at::Tensor, at::Tensor> gemma_add_rms_norm(const at::Tensor& h, const
 }
 
 at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) {
-  check_rows(gate_up, "gelu_tanh_mul input");
-  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gelu_tanh_mul: [rows, 2 * width]");
-  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
-  dispatch_dtype(gate_up, "gelu_tanh_mul", [&](auto t) {
-    using T = decltype(t);
-    gated_kernel<T>(gate_up, out, gelu_mul_row<T>);
-  });
-  return out;
+  return gated(gate_up, "gelu_tanh_mul", [](auto t) { return gelu_mul_row<decltype(t)>; });
 }
 
 }  // namespace
