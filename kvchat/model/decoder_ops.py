@@ -70,9 +70,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def gemma_norm(x: torch.Tensor, factor: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Gemma3RMSNorm of x [T, H]: statistics and the float32 factor (1 + w)
-    (`factor`) in float32, the result rounded to x's dtype once."""
-    if _native(x) and x.is_contiguous():
+    """transformers' Gemma3RMSNorm over x's last dimension: statistics and the float32
+    factor (1 + w) (`factor`) in float32, the result rounded to x's dtype once (the
+    kernel takes rows [T, H]; other shapes, such as per-head views, run in torch)."""
+    if _native(x) and x.dim() == 2 and x.is_contiguous():
         return torch.ops.kvchat.gemma_rms_norm(x, factor, eps)
     return gemma_norm_reference(x, factor, eps)
 

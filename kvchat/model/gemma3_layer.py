@@ -24,7 +24,6 @@ from kvchat.model.decoder_ops import (
     gemma_add_norm,
     gemma_heads_norm_,
     gemma_norm,
-    gemma_norm_reference,
     rotate_,
 )
 from kvchat.model.linear import Linear, make_linear
@@ -33,14 +32,6 @@ from kvchat.model.linear import Linear, make_linear
 def gemma_multiplier(weight: torch.Tensor) -> torch.Tensor:
     """A Gemma norm's weight w as the float32 factor (1 + w) it multiplies by."""
     return 1.0 + weight.float()
-
-
-def gemma_rms_norm(x: torch.Tensor, multiplier: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Gemma3RMSNorm over the last dimension: statistics and the (1 + w)
-    factor in float32, the result cast back to x's dtype (fused where it can be)."""
-    if x.dim() == 2:
-        return gemma_norm(x, multiplier, eps)
-    return gemma_norm_reference(x, multiplier, eps)
 
 
 class Gemma3Layer:

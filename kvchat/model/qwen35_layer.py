@@ -10,7 +10,7 @@ gate beside its query ([q | gate], head by head), the attention's output is mult
 by sigmoid(gate) before o_proj; only the leading quarter of each head rotates
 (`partial_rotary_factor`; Qwen3.5's multimodal rotary is plain rotary for text, every
 position stream being the token's position). Every decoder norm multiplies by (1 + w) in
-float32, as Gemma's do (`gemma_rms_norm`); the feed-forward is SwiGLU, or in the sparse
+float32, as Gemma's do (`decoder_ops.gemma_norm`); the feed-forward is SwiGLU, or in the sparse
 layers (Qwen3-Next's, every one of Qwen3.5-MoE's) Qwen3-MoE's routed experts
 (`SparseMoE`) plus a shared SwiGLU expert whose output is scaled by sigmoid of a gate of
 its own.
@@ -25,9 +25,9 @@ import torch
 
 from kvchat.model.batch import Attention, RecurrentStates
 from kvchat.model.config import ModelConfig
-from kvchat.model.decoder_ops import rotary_reference, silu_mul
+from kvchat.model.decoder_ops import gemma_norm, rotary_reference, silu_mul
 from kvchat.model.gated_deltanet import GatedDeltaNet
-from kvchat.model.gemma3_layer import gemma_multiplier, gemma_rms_norm
+from kvchat.model.gemma3_layer import gemma_multiplier
 from kvchat.model.linear import Linear, make_linear
 from kvchat.model.sparse_moe import SparseMoE
 
@@ -99,12 +99,12 @@ class Qwen35Layer:
         eps = self.config.rms_norm_eps
         if pending is not None:
             h = h + pending
-        x = gemma_rms_norm(h, self.input_norm, eps)
+        x = gemma_norm(h, self.input_norm, eps)
         if self.linear:
             h = h + self._linear_attention(x, query_lens, states)
         else:
             h = h + self._attention(x, cos, sin, attention)
-        x = gemma_rms_norm(h, self.post_norm, eps)
+        x = gemma_norm(h, self.post_norm, eps)
         return h, self._feed_forward(x)
 
     def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,9 +146,9 @@ class Qwen35Layer:
         qkv = self.qkv(x)  # type: ignore[misc]  # [T, 2 Hq D + 2 Hkv D]
         q_gate = qkv[:, : 2 * c.q_size].view(t, c.num_heads, 2 * dim)
         gate = q_gate[..., dim:]  # [T, Hq, D]
-        q = gemma_rms_norm(q_gate[..., :dim], self.q_norm, eps)  # [T, Hq, D], a new tensor
+        q = gemma_norm(q_gate[..., :dim], self.q_norm, eps)  # [T, Hq, D], a new tensor
         k = qkv[:, 2 * c.q_size : 2 * c.q_size + c.kv_size].view(t, c.num_kv_heads, dim)
-        k = gemma_rms_norm(k, self.k_norm, eps)
+        k = gemma_norm(k, self.k_norm, eps)
         v = qkv[:, 2 * c.q_size + c.kv_size :].view(t, c.num_kv_heads, dim)
         r = c.rotary_dim
         for y in (q, k):

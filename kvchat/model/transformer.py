@@ -156,13 +156,8 @@ class Transformer:
         # A tied head kept at 8 bits (a GGUF's token_embd) is the embedding table too:
         # rows are looked up in its codes, and the dense table (mapped from the converted
         # file) is never read, so never resident.
-        self.embed_codes = (
-            self.lm_head
-            if isinstance(self.lm_head, Q8Linear)
-            and "lm_head.weight" not in weights
-            and self.embed.device.type == "cpu"
-            else None
-        )
+        tied = isinstance(self.lm_head, Q8Linear) and "lm_head.weight" not in weights
+        self.embed_codes = self.lm_head if tied else None
         self.norm = weights["model.norm.weight"]
         if config.unit_offset_norms:  # (1 + w), float32
             self.norm = gemma_multiplier(self.norm)

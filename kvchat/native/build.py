@@ -98,30 +98,30 @@ def _compiler() -> str | None:
     return None
 
 
-def _cpu_signature() -> str:
-    """The CPU's feature flags, so a cache folder shared by two machines never mixes
-    kernels built with `-march=native` for different CPUs."""
+def _cpuinfo_line(*prefixes: str) -> str | None:
+    """The first /proc/cpuinfo line starting with one of `prefixes` (None: no such line,
+    or no /proc/cpuinfo)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
+                if line.startswith(prefixes):
                     return line
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def _cpu_signature() -> str:
+    """The CPU's feature flags, so a cache folder shared by two machines never mixes
+    kernels built with `-march=native` for different CPUs."""
+    return _cpuinfo_line("flags", "Features") or platform.processor() or platform.machine()
 
 
 def cpu_vendor() -> str:
     """The CPU's vendor as /proc/cpuinfo names it (GenuineIntel, AuthenticAMD; empty where
     it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
+    line = _cpuinfo_line("vendor_id")
+    return line.partition(":")[2].strip() if line else ""
 
 
 def stream_rows(vendor: str) -> int:
